@@ -1,0 +1,350 @@
+"""Configuration: one frozen dataclass per component, checked on construction.
+
+The CLI and TOML files are thin layers over these classes. Every field name is unique
+across components, so a flat mapping (``--batch-size 64`` on the command line,
+``batch_size = 64`` in TOML) places each key in exactly one component; see
+``JobConfig.from_flat``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from plexus.errors import ConfigError
+
+__all__ = [
+    "DataConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "SlowSpec",
+    "KillSpec",
+    "NetSpec",
+    "ClusterConfig",
+    "StrategyConfig",
+    "RunConfig",
+    "JobConfig",
+    "parse_slow",
+    "parse_kill",
+    "parse_net",
+]
+
+
+def _require(ok: bool, name: str, rule: str, value: Any, fix: str) -> None:
+    """Raise a ConfigError naming the field, the rule, the value and the fix."""
+    if not ok:
+        raise ConfigError(f"{name} {rule}, got {value!r}: {fix}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class DataConfig:
+    # A built-in dataset (digits, mnist1d, teacher, text, sparse, mnist, cifar10) or a
+    # user factory "pkg.module:function" returning a plexus.train.data.Dataset.
+    dataset: str = "digits"
+    # Folder with local files for the mnist and cifar10 loaders; text corpus root for text.
+    data_dir: str | None = None
+    # Samples to generate for generated datasets (mnist1d, teacher, sparse, text); None
+    # means the dataset's own default.
+    num_samples: int | None = None
+
+    def __post_init__(self) -> None:
+        _require(bool(self.dataset), "dataset", "must be named", self.dataset, "pass --dataset NAME")
+        if self.num_samples is not None:
+            _require(self.num_samples >= 10, "num_samples", "must be at least 10", self.num_samples,
+                     "pass --num-samples 10 or more")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelConfig:
+    # A built-in model (mlp, cnn, lm, logreg) or a user factory "pkg.module:function"
+    # called with the Dataset and returning an nn.Module.
+    model: str = "mlp"
+    # Width of hidden layers (units for mlp, channels for cnn, embedding size for lm).
+    hidden: int = 128
+
+    def __post_init__(self) -> None:
+        _require(bool(self.model), "model", "must be named", self.model, "pass --model NAME")
+        _require(self.hidden >= 1, "hidden", "must be at least 1", self.hidden, "pass --hidden 1 or more")
+
+
+@dataclass(kw_only=True, frozen=True)
+class OptimConfig:
+    # The optimizer every worker (or server) runs on the averaged gradient.
+    optimizer: Literal["sgd", "adam", "adagrad"] = "sgd"
+    # Learning rate (step size), dimensionless.
+    lr: float = 0.1
+    # Heavy-ball momentum for sgd, 0 for plain SGD.
+    momentum: float = 0.0
+    # L2 penalty added to the gradient.
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        _require(self.optimizer in ("sgd", "adam", "adagrad"), "optimizer", "must be sgd, adam or adagrad",
+                 self.optimizer, "pass --optimizer sgd|adam|adagrad")
+        _require(self.lr > 0, "lr", "must be positive", self.lr, "pass --lr 0.1 for example")
+        _require(0 <= self.momentum < 1, "momentum", "must lie in [0, 1)", self.momentum, "pass --momentum 0.9 for example")
+        _require(self.weight_decay >= 0, "weight_decay", "must be non-negative", self.weight_decay, "pass --weight-decay 0")
+
+
+@dataclass(kw_only=True, frozen=True)
+class SlowSpec:
+    """``--slow worker:K=F``: process ``role`` ``rank`` takes ``factor`` times its compute time."""
+
+    role: str
+    rank: int
+    factor: float
+
+
+@dataclass(kw_only=True, frozen=True)
+class KillSpec:
+    """``--kill worker:K@step=N``: process ``role`` ``rank`` dies abruptly at step ``step``."""
+
+    role: str
+    rank: int
+    step: int
+
+
+@dataclass(kw_only=True, frozen=True)
+class NetSpec:
+    """``--net bandwidth=100mbit,latency=2ms``: every link send waits latency + bytes / bandwidth."""
+
+    # Bytes per second; None for no bandwidth limit.
+    bandwidth: float | None = None
+    # Seconds added to every message.
+    latency: float = 0.0
+
+    def delay(self, nbytes: int) -> float:
+        """Seconds a send of ``nbytes`` is held back."""
+        return self.latency + (nbytes / self.bandwidth if self.bandwidth else 0.0)
+
+
+_ROLES = ("worker", "server", "aggregator")
+
+
+def _split_role(text: str, flag: str, example: str) -> tuple[str, int, str]:
+    m = re.fullmatch(r"(\w+):(\d+)(.*)", text.strip())
+    if not m or m.group(1) not in _ROLES:
+        raise ConfigError(f"--{flag} must look like {example}, got {text!r}: name a role "
+                          f"({', '.join(_ROLES)}) and its rank")
+    return m.group(1), int(m.group(2)), m.group(3)
+
+
+def parse_slow(text: str) -> tuple[SlowSpec, ...]:
+    """Parse ``worker:0=4,worker:2=1.5`` into SlowSpecs."""
+    specs = []
+    for part in filter(None, text.split(",")):
+        role, rank, rest = _split_role(part, "slow", "worker:0=4")
+        m = re.fullmatch(r"=([0-9.]+)", rest)
+        factor = float(m.group(1)) if m else -1.0
+        _require(factor >= 1.0, "--slow factor", "must be a number >= 1", part, "write worker:K=F with F >= 1")
+        specs.append(SlowSpec(role=role, rank=rank, factor=factor))
+    return tuple(specs)
+
+
+def parse_kill(text: str) -> tuple[KillSpec, ...]:
+    """Parse ``worker:1@step=50`` into KillSpecs."""
+    specs = []
+    for part in filter(None, text.split(",")):
+        role, rank, rest = _split_role(part, "kill", "worker:1@step=50")
+        m = re.fullmatch(r"@step=(\d+)", rest)
+        _require(m is not None, "--kill", "must say when, as @step=N", part, "write worker:K@step=N")
+        specs.append(KillSpec(role=role, rank=rank, step=int(m.group(1))))
+    return tuple(specs)
+
+
+_RATE = {"bit": 1 / 8, "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8,
+         "b": 1.0, "kb": 1e3, "mb": 1e6, "gb": 1e9}
+_TIME = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
+
+
+def parse_net(text: str) -> NetSpec:
+    """Parse ``bandwidth=100mbit,latency=2ms`` (bandwidth units bit/kbit/mbit/gbit per
+    second or b/kb/mb/gb bytes per second; latency units s/ms/us)."""
+    bandwidth, latency = None, 0.0
+    for part in filter(None, text.split(",")):
+        key, _, value = part.partition("=")
+        m = re.fullmatch(r"([0-9.]+)\s*([a-zA-Z]*)", value.strip())
+        if key == "bandwidth" and m and m.group(2).lower() in _RATE:
+            bandwidth = float(m.group(1)) * _RATE[m.group(2).lower()]
+            _require(bandwidth > 0, "--net bandwidth", "must be positive", value, "write bandwidth=100mbit")
+        elif key == "latency" and m and (m.group(2).lower() or "s") in _TIME:
+            latency = float(m.group(1)) * _TIME[m.group(2).lower() or "s"]
+        else:
+            raise ConfigError(f"--net must look like bandwidth=100mbit,latency=2ms, got {part!r}: "
+                              f"bandwidth takes bit|kbit|mbit|gbit|b|kb|mb|gb, latency takes s|ms|us")
+    return NetSpec(bandwidth=bandwidth, latency=latency)
+
+
+@dataclass(kw_only=True, frozen=True)
+class ClusterConfig:
+    # Worker processes (data-parallel replicas).
+    workers: int = 1
+    # Parameter-server processes, for strategies that have servers.
+    servers: int = 0
+    # Address the rendezvous store binds to; loopback unless the user gives one.
+    host: str = "127.0.0.1"
+    # Rendezvous port; 0 picks a free one.
+    port: int = 0
+    # Seconds any blocking operation waits before raising CommTimeout.
+    timeout: float = 60.0
+    # Seconds of silence after which a peer is declared lost.
+    peer_timeout: float = 10.0
+    # Communication backend: gloo on CPU, nccl with CUDA; auto picks by device.
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    # Where workers compute: auto uses CUDA when present.
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # Threads torch may use inside each process; 0 leaves torch's default. Several
+    # processes share this machine's cores, so one thread each avoids oversubscription.
+    threads: int = 1
+    slow: tuple[SlowSpec, ...] = ()
+    kill: tuple[KillSpec, ...] = ()
+    net: NetSpec = field(default_factory=NetSpec)
+
+    def __post_init__(self) -> None:
+        _require(self.workers >= 1, "workers", "must be at least 1", self.workers, "pass --workers 1 or more")
+        _require(self.servers >= 0, "servers", "must be non-negative", self.servers, "pass --servers 0 or more")
+        _require(0 <= self.port < 65536, "port", "must lie in [0, 65535]", self.port, "pass --port 0 for a free port")
+        _require(self.timeout > 0, "timeout", "must be positive seconds", self.timeout, "pass --timeout 60")
+        _require(self.peer_timeout > 0, "peer_timeout", "must be positive seconds", self.peer_timeout,
+                 "pass --peer-timeout 10")
+        _require(self.backend in ("auto", "gloo", "nccl"), "backend", "must be auto, gloo or nccl",
+                 self.backend, "pass --backend auto")
+        _require(self.device in ("auto", "cpu", "cuda"), "device", "must be auto, cpu or cuda", self.device,
+                 "pass --device auto")
+        _require(self.threads >= 0, "threads", "must be non-negative", self.threads, "pass --threads 1")
+        for spec in (*self.slow, *self.kill):
+            count = self.workers if spec.role == "worker" else self.servers
+            _require(spec.rank < count, f"--{'slow' if isinstance(spec, SlowSpec) else 'kill'}",
+                     f"must name an existing {spec.role} (there are {count})", f"{spec.role}:{spec.rank}",
+                     f"pick a rank below {count}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class StrategyConfig:
+    # The distributed architecture: allreduce (others arrive with their issues).
+    strategy: str = "allreduce"
+    # The all-reduce algorithm, for strategies that average tensors.
+    algorithm: str = "native"
+    # Gradient bucket size in MiB: each bucket's all-reduce starts as soon as its
+    # gradients are ready during backward.
+    bucket_mb: float = 25.0
+    # Ranks per group for the hierarchical all-reduce (hier); 0 means ranks per machine.
+    local_size: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.bucket_mb > 0, "bucket_mb", "must be positive MiB", self.bucket_mb, "pass --bucket-mb 25")
+        _require(self.local_size >= 0, "local_size", "must be non-negative", self.local_size, "pass --local-size 2")
+
+
+@dataclass(kw_only=True, frozen=True)
+class RunConfig:
+    # Global batch: every synchronous step consumes this many samples in all, split
+    # evenly over the workers (contract 1).
+    batch_size: int = 64
+    # Training length: steps, epochs or seconds; the first reached ends the run. When
+    # none is given the run lasts one epoch.
+    steps: int | None = None
+    epochs: float | None = None
+    time_limit: float | None = None
+    # Stop when the test accuracy of a snapshot reaches this fraction (0..1).
+    target_accuracy: float | None = None
+    # Snapshot and evaluate the global model every this many steps (0: only at the end).
+    eval_every: int = 50
+    # Write a training event to metrics.jsonl every this many steps.
+    log_every: int = 10
+    seed: int = 0
+    # Run directory; None writes nowhere.
+    out: str | None = None
+    save_model: bool = False
+    json: bool = False
+    quiet: bool = False
+    debug: bool = False
+
+    def __post_init__(self) -> None:
+        _require(self.batch_size >= 1, "batch_size", "must be at least 1", self.batch_size, "pass --batch-size 64")
+        _require(self.steps is None or self.steps >= 1, "steps", "must be at least 1", self.steps, "pass --steps 100")
+        _require(self.epochs is None or self.epochs > 0, "epochs", "must be positive", self.epochs, "pass --epochs 1")
+        _require(self.time_limit is None or self.time_limit > 0, "time_limit", "must be positive seconds",
+                 self.time_limit, "pass --time-limit 60")
+        _require(self.target_accuracy is None or 0 < self.target_accuracy <= 1, "target_accuracy",
+                 "must be a fraction in (0, 1]", self.target_accuracy, "pass --target-accuracy 0.9")
+        _require(self.eval_every >= 0, "eval_every", "must be non-negative", self.eval_every, "pass --eval-every 50")
+        _require(self.log_every >= 1, "log_every", "must be at least 1", self.log_every, "pass --log-every 10")
+
+
+_COMPONENTS = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig, "cluster": ClusterConfig,
+               "strategy": StrategyConfig, "run": RunConfig}
+
+
+@dataclass(kw_only=True, frozen=True)
+class JobConfig:
+    """Everything one training job needs, grouped by component."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self) -> None:
+        # Contract 1: each worker takes an equal contiguous slice of the global batch.
+        _require(self.run.batch_size % self.cluster.workers == 0, "batch_size",
+                 f"must be divisible by workers ({self.cluster.workers})", self.run.batch_size,
+                 "each worker takes an equal slice of the global batch; pick a multiple of --workers")
+
+    @classmethod
+    def from_flat(cls, flat: dict[str, Any]) -> "JobConfig":
+        """Build from flat keys (``batch_size``, ``workers``...), the CLI's and TOML's form.
+
+        ``slow``, ``kill`` and ``net`` may be given as their flag strings.
+        """
+        parts: dict[str, dict[str, Any]] = {name: {} for name in _COMPONENTS}
+        owner = {f.name: comp for comp, klass in _COMPONENTS.items() for f in dataclasses.fields(klass)}
+        for key, value in flat.items():
+            key = key.replace("-", "_")
+            if key not in owner:
+                raise ConfigError(f"unknown configuration key {key!r}: known keys are "
+                                  f"{', '.join(sorted(owner))}")
+            if key == "slow" and isinstance(value, str):
+                value = parse_slow(value)
+            elif key == "kill" and isinstance(value, str):
+                value = parse_kill(value)
+            elif key == "net" and isinstance(value, str):
+                value = parse_net(value)
+            parts[owner[key]][key] = value
+        try:
+            built = {comp: _COMPONENTS[comp](**kw) for comp, kw in parts.items()}
+        except TypeError as exc:  # a value of the wrong type reached a check
+            raise ConfigError(f"invalid configuration value: {exc}") from None
+        return cls(**built)
+
+    def replace(self, **flat: Any) -> "JobConfig":
+        """A copy with some flat keys changed."""
+        merged = self.to_flat()
+        merged.update(flat)
+        return JobConfig.from_flat(merged)
+
+    def to_flat(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for comp in _COMPONENTS:
+            sub = getattr(self, comp)
+            for f in dataclasses.fields(sub):
+                out[f.name] = getattr(sub, f.name)
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """Nested plain data, as written to config.json."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "JobConfig":
+        """Inverse of ``to_dict``."""
+        cluster = dict(data["cluster"])
+        cluster["slow"] = tuple(SlowSpec(**s) for s in cluster.get("slow", ()))
+        cluster["kill"] = tuple(KillSpec(**k) for k in cluster.get("kill", ()))
+        cluster["net"] = NetSpec(**cluster.get("net", {}))
+        return cls(data=DataConfig(**data["data"]), model=ModelConfig(**data["model"]),
+                   optim=OptimConfig(**data["optim"]), cluster=ClusterConfig(**cluster),
+                   strategy=StrategyConfig(**data["strategy"]), run=RunConfig(**data["run"]))
