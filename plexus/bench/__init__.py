@@ -1,0 +1,18 @@
+"""Benchmarks that print tables with ratios against a reference measured in the same run.
+
+Each module offers ``add_arguments(parser)`` and ``main(args) -> int``; ``plexus bench NAME``
+runs one.
+"""
+from __future__ import annotations
+
+from importlib.util import find_spec
+
+__all__ = ["BENCHMARKS"]
+
+_ALL = {
+    "ddp": ("samples/s of the allreduce strategy against DistributedDataParallel", "plexus.bench.ddp"),
+    "collectives": ("time and bandwidth of every all-reduce algorithm against native", "plexus.bench.collectives"),
+}
+
+# name -> (one-line summary, module)
+BENCHMARKS = {name: entry for name, entry in _ALL.items() if find_spec(entry[1]) is not None}

@@ -1,0 +1,321 @@
+"""``plexus``: the command line, a thin layer over ``plexus.config`` and ``plexus.train``.
+
+    plexus train   [flags]            train one job, write a run directory
+    plexus compare SPEC... [flags]    run several strategies on the same model, data and seed
+    plexus report  DIR... [--out D]   plots and index.html from run directories
+    plexus bench   ddp|collectives    benchmarks that print tables
+
+Errors print one line on stderr: status 2 for usage and configuration, non-zero
+otherwise; ``--debug`` adds the traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = ["main", "build_parser"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error in one line with status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        sys.stderr.write(f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        sys.exit(2)
+
+
+def _flag(group, name: str, **kw) -> None:
+    group.add_argument(f"--{name}", dest=name.replace("-", "_"), **kw)
+
+
+def add_job_arguments(parser: argparse.ArgumentParser) -> None:
+    """The job flags shared by train and compare; each maps to one config field."""
+    g = parser.add_argument_group("strategy")
+    _flag(g, "strategy", help="allreduce (more arrive with their issues)")
+    _flag(g, "algorithm", help="all-reduce algorithm: native, ring, ...")
+    _flag(g, "bucket-mb", type=float, help="gradient bucket size in MiB (default 25)")
+    _flag(g, "local-size", type=int, help="ranks per group for the hier algorithm")
+    g = parser.add_argument_group("cluster")
+    _flag(g, "workers", type=int, help="worker processes (default 1)")
+    _flag(g, "servers", type=int, help="parameter-server processes")
+    _flag(g, "host", help="address the rendezvous store binds to (default 127.0.0.1)")
+    _flag(g, "port", type=int, help="rendezvous port (default 0: a free one)")
+    _flag(g, "timeout", type=float, help="seconds any blocking operation waits (default 60)")
+    _flag(g, "peer-timeout", type=float, help="seconds of silence before a peer is lost (default 10)")
+    _flag(g, "backend", choices=["auto", "gloo", "nccl"], help="communication backend")
+    _flag(g, "device", choices=["auto", "cpu", "cuda"], help="compute device")
+    _flag(g, "threads", type=int, help="torch threads per process (default 1; 0: torch's default)")
+    _flag(g, "slow", help="emulate slow workers: worker:K=F[,worker:J=G]")
+    _flag(g, "net", help="emulate the network: bandwidth=100mbit,latency=2ms")
+    _flag(g, "kill", help="kill a process on purpose: worker:K@step=N")
+    g = parser.add_argument_group("data and model")
+    _flag(g, "dataset", help="digits, mnist1d, teacher, text, sparse, mnist, cifar10 or pkg.module:factory")
+    _flag(g, "data-dir", help="folder with local dataset files (mnist, cifar10, text)")
+    _flag(g, "num-samples", type=int, help="samples to generate for generated datasets")
+    _flag(g, "model", help="mlp, cnn, lm, logreg or pkg.module:factory")
+    _flag(g, "hidden", type=int, help="hidden width (default 128)")
+    g = parser.add_argument_group("optimisation")
+    _flag(g, "optimizer", choices=["sgd", "adam", "adagrad"], help="optimizer (default sgd)")
+    _flag(g, "lr", type=float, help="learning rate (default 0.1)")
+    _flag(g, "momentum", type=float, help="sgd momentum (default 0)")
+    _flag(g, "weight-decay", type=float, help="L2 penalty (default 0)")
+    _flag(g, "batch-size", type=int, help="global batch size (default 64)")
+    _flag(g, "steps", type=int, help="training steps")
+    _flag(g, "epochs", type=float, help="training epochs (default 1 when nothing else bounds the run)")
+    _flag(g, "time-limit", type=float, help="seconds of training")
+    _flag(g, "target-accuracy", type=float, help="stop when a snapshot reaches this test accuracy (0..1)")
+    _flag(g, "eval-every", type=int, help="snapshot and evaluate every N steps (default 50)")
+    _flag(g, "log-every", type=int, help="log a training event every N steps (default 10)")
+    _flag(g, "seed", type=int, help="seed of data order and initial model (default 0)")
+    g = parser.add_argument_group("output")
+    _flag(g, "out", help="run directory (default runs/<time>-<strategy>)")
+    _flag(g, "save-model", action="store_const", const=True, help="write the final model's state_dict to DIR/model.pt")
+    _flag(g, "json", action="store_const", const=True, help="print the summary as JSON on the last stdout line")
+    _flag(g, "quiet", action="store_const", const=True, help="no progress display")
+    _flag(g, "debug", action="store_const", const=True, help="verbose logs and tracebacks")
+    _flag(g, "config", help="TOML file with the same keys as the flags (flags win)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="plexus", description="Distributed training under every classic architecture.",
+                     argument_default=argparse.SUPPRESS)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    train = sub.add_parser("train", help="train one job", argument_default=argparse.SUPPRESS)
+    add_job_arguments(train)
+    compare = sub.add_parser("compare", help="run several strategies on the same model, data and seed",
+                             argument_default=argparse.SUPPRESS)
+    compare.add_argument("specs", nargs="+", metavar="SPEC",
+                         help="STRATEGY[:key=value,...], e.g. allreduce:algorithm=ring,workers=4")
+    add_job_arguments(compare)
+    report = sub.add_parser("report", help="plots and index.html from run directories")
+    report.add_argument("dirs", nargs="+", metavar="DIR")
+    report.add_argument("--out", default=None, help="output folder (default: the run directory)")
+    bench = sub.add_parser("bench", help="benchmarks that print tables")
+    which = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
+    from plexus.bench import BENCHMARKS
+    for name, (summary, module) in BENCHMARKS.items():
+        b = which.add_parser(name, help=summary)
+        _import(module).add_arguments(b)
+    return parser
+
+
+def _import(module: str):
+    import importlib
+    return importlib.import_module(module)
+
+
+def _load_toml(path: str) -> dict[str, Any]:
+    from plexus.errors import ConfigError
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist: pass an existing --config FILE") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+
+
+def job_config(args: argparse.Namespace, extra: dict[str, Any] | None = None):
+    """Defaults < TOML file < flags < ``extra`` (a compare spec)."""
+    from plexus.config import JobConfig
+    flat = vars(args).copy()
+    for key in ("command", "specs", "config"):
+        flat.pop(key, None)
+    merged = _load_toml(args.config) if getattr(args, "config", None) else {}
+    merged = {k.replace("-", "_"): v for k, v in merged.items()}
+    merged.update(flat)
+    merged.update(extra or {})
+    return JobConfig.from_flat(merged)
+
+
+class _Progress:
+    """A live line on the terminal (step, loss, test accuracy, samples/s, elapsed),
+    read from the run directory's metrics.jsonl."""
+
+    def __init__(self) -> None:
+        from rich.console import Console
+        from rich.live import Live
+        self.console = Console(stderr=True)
+        self.live = Live(console=self.console, refresh_per_second=4, transient=False)
+        self.offset, self.state, self.started, self.last = 0, {}, time.monotonic(), 0.0
+
+    def __enter__(self) -> "_Progress":
+        self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.live.__exit__(*exc)
+
+    def poll(self, run_dir: Path) -> None:
+        now = time.monotonic()
+        if now - self.last < 0.25:
+            return
+        self.last = now
+        path = run_dir / "metrics.jsonl"
+        if path.exists():
+            with open(path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+            complete = chunk[: chunk.rfind(b"\n") + 1]
+            self.offset += len(complete)
+            for line in complete.splitlines():
+                event = json.loads(line)
+                if event["event"] == "train" and event.get("worker") == 0:
+                    self.state.update(step=event["step"], loss=event["loss"], samples=event["samples"],
+                                      time=event["time"])
+                elif event["event"] == "eval":
+                    self.state["acc"] = event["test_accuracy"]
+        s = self.state
+        rate = s["samples"] / s["time"] if s.get("time") else 0.0
+        acc = f"{100 * s['acc']:.2f}%" if "acc" in s else "–"
+        loss = f"{s['loss']:.4f}" if s.get("loss") is not None else "–"
+        self.live.update(f"step {s.get('step', 0)}  loss {loss}  test acc {acc}  "
+                         f"{rate:,.0f} samples/s  elapsed {now - self.started:.1f} s")
+
+
+def _train(args: argparse.Namespace) -> int:
+    from plexus.train.job import run_local, run_torchrun
+    cfg = job_config(args)
+    if "RANK" in os.environ and "PLEXUS_ROLE" not in os.environ:
+        summary = run_torchrun(cfg)
+        if summary is not None:
+            _print_summary(summary, cfg.run.out or "", cfg.run.json)
+        return 0
+    show = not cfg.run.quiet and sys.stderr.isatty()
+    if show:
+        with _Progress() as progress:
+            run_dir, summary = run_local(cfg, poll=progress.poll)
+    else:
+        run_dir, summary = run_local(cfg)
+    _print_summary(summary, str(run_dir), cfg.run.json)
+    return 0
+
+
+def _print_summary(summary: dict[str, Any], run_dir: str, as_json: bool) -> None:
+    acc = summary.get("final_test_accuracy")
+    ttt = summary.get("time_to_target_seconds")
+    line = (f"final test accuracy {100 * acc:.2f}%  loss {summary['final_test_loss']:.4f}  "
+            f"{summary['steps']} steps in {summary['wall_seconds']:.1f} s "
+            f"({summary['samples_per_second']:,.0f} samples/s)")
+    if ttt is not None:
+        line += f"  target reached at {ttt:.1f} s"
+    print(line)
+    print(f"run directory: {run_dir}")
+    if as_json:
+        print(json.dumps({**summary, "run_dir": run_dir}))
+
+
+def _literal(text: str) -> Any:
+    """A spec value as the type it reads as: true/false, int, float, else the string."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_spec(spec: str) -> dict[str, Any]:
+    """``allreduce:algorithm=ring,workers=4`` -> {"strategy": "allreduce", "algorithm": "ring", "workers": 4}."""
+    from plexus.errors import ConfigError
+    strategy, _, rest = spec.partition(":")
+    out: dict[str, Any] = {"strategy": strategy.strip()}
+    for part in filter(None, rest.split(",")):
+        key, eq, value = part.partition("=")
+        if not eq or not key.strip():
+            raise ConfigError(f"compare spec {spec!r}: {part!r} must be key=value")
+        out[key.strip().replace("-", "_")] = _literal(value.strip())
+    return out
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-." else "_" for c in text)
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from plexus.report import write_report
+    from plexus.train.job import run_local
+    base = job_config(args)
+    root = Path(base.run.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}")
+    specs = [parse_spec(s) for s in args.specs]
+    # Build every config first so a bad spec fails before anything runs.
+    configs = [job_config(args, {**spec, "out": str(root / f"{i:02d}-{_slug(text)}")})
+               for i, (text, spec) in enumerate(zip(args.specs, specs))]
+    rows = []
+    for spec_text, cfg in zip(args.specs, configs):
+        print(f"== {spec_text}", file=sys.stderr)
+        run_dir, summary = run_local(cfg)
+        rows.append((spec_text, run_dir, summary))
+    html = write_report([r for _, r, _ in rows], root, title="plexus compare")
+    _print_compare(rows)
+    print(f"report: {html}")
+    if base.run.json:
+        print(json.dumps([{**s, "spec": spec, "run_dir": str(d)} for spec, d, s in rows]))
+    return 0
+
+
+def _print_compare(rows) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    table = Table(title="plexus compare")
+    for col in ("spec", "test acc", "wall s", "samples/s", "time to target s", "MB sent/worker"):
+        table.add_column(col, justify="right" if col != "spec" else "left")
+    for spec, _, s in rows:
+        ttt = s.get("time_to_target_seconds")
+        per = s["bytes_sent_per_worker"]
+        table.add_row(spec, f"{100 * s['final_test_accuracy']:.2f}%", f"{s['wall_seconds']:.2f}",
+                      f"{s['samples_per_second']:,.0f}", "–" if ttt is None else f"{ttt:.2f}",
+                      f"{sum(per) / max(len(per), 1) / 1e6:.2f}")
+    Console().print(table)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from plexus.report import write_report
+    html = write_report(args.dirs, args.out)
+    print(f"report: {html}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    logging.basicConfig(level=logging.INFO if debug else logging.WARNING, format="%(message)s")
+    os.environ.setdefault("MPLCONFIGDIR", os.path.join(os.environ.get("TMPDIR", "/tmp"), "plexus-mpl"))
+    from plexus.errors import PlexusError
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "train":
+            return _train(args)
+        if args.command == "compare":
+            return _compare(args)
+        if args.command == "report":
+            return _report(args)
+        if args.command == "bench":
+            from plexus.bench import BENCHMARKS
+            return _import(BENCHMARKS[args.bench][1]).main(args)
+    except PlexusError as exc:
+        if debug:
+            raise
+        print(f"plexus: error: {exc}" if exc.exit_code == 2 else f"plexus: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("plexus: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,273 @@
+"""Point-to-point communication between processes: ``Group`` (a fixed set of members) and
+``Link`` (two members, made lazily).
+
+Both wrap one backend process group built directly over a ``PrefixStore`` of the job's
+store, so no global ``init_process_group`` state exists and a dead peer breaks only the
+groups it belongs to. Every send and receive is counted in the process's ``Traffic``,
+every wait has a timeout, and errors name the peer: ``CommTimeout`` when it did not
+answer, ``PeerLost`` when its connection broke.
+
+``--net`` emulation delays each send by latency + bytes / bandwidth in the sending
+thread, so slow networks show up on one machine without root.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import time
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from plexus.cluster.traffic import Traffic
+from plexus.config import NetSpec
+from plexus.errors import CommError, CommTimeout, ConfigError, PeerLost
+
+__all__ = ["Endpoint", "Group", "Link", "Work", "make_process_group", "translate_error"]
+
+logger = logging.getLogger(__name__)
+
+_LOST_MARKERS = ("closed", "reset", "broken pipe", "sigpipe", "connection refused", "eof", "aborted")
+
+
+def translate_error(exc: BaseException, me: str, what: str, peer: str, timeout: float) -> CommError:
+    """Map a backend error to CommTimeout or PeerLost, naming who did not answer."""
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    lowered = text.lower()
+    if "timed out" in lowered or "timeout" in lowered:
+        return CommTimeout(f"{me}: {what}: {peer} did not answer within {timeout:g} s", peer=peer)
+    if any(marker in lowered for marker in _LOST_MARKERS):
+        return PeerLost(f"{me}: {what}: lost {peer} ({text})", peer=peer)
+    return CommError(f"{me}: {what} with {peer} failed: {text}", peer=peer)
+
+
+def make_process_group(backend: str, store: dist.Store, rank: int, size: int, timeout: float
+                       ) -> dist.ProcessGroup:
+    """A backend process group over ``store``: gloo on CPU, NCCL for CUDA tensors."""
+    delta = dt.timedelta(seconds=timeout)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, size, delta)
+    if backend == "nccl":
+        if not dist.is_nccl_available():
+            raise ConfigError("backend nccl is not available in this torch build: pass --backend gloo")
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = delta
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+    raise ConfigError(f"backend must be gloo or nccl, got {backend!r}")
+
+
+class Work:
+    """Handle of an asynchronous send, receive or collective; ``wait`` applies the timeout."""
+
+    def __init__(self, work: dist.Work | None, endpoint: "Endpoint", what: str, peer: str,
+                 on_done: "callable | None" = None) -> None:
+        self._work = work
+        self._endpoint = endpoint
+        self._what = what
+        self._peer = peer
+        self._on_done = on_done
+        self._done = work is None
+
+    def wait(self, timeout: float | None = None) -> None:
+        if self._done:
+            return
+        limit = self._endpoint.timeout if timeout is None else timeout
+        try:
+            self._work.wait(dt.timedelta(seconds=limit))
+        except RuntimeError as exc:
+            raise translate_error(exc, self._endpoint.me, self._what, self._peer, limit) from None
+        self._done = True
+        if self._on_done is not None:
+            self._on_done()
+
+    def source_rank(self) -> int:
+        """The sender of a completed receive-from-any."""
+        return self._work._source_rank()
+
+    def is_completed(self) -> bool:
+        return self._done or self._work.is_completed()
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class Endpoint:
+    """This process's side of a backend process group, addressed by member index.
+
+    ``names[i]`` is member i's process name (``worker 2``), used by counters and errors.
+    """
+
+    def __init__(self, pg: dist.ProcessGroup, rank: int, names: Sequence[str], traffic: Traffic,
+                 timeout: float, net: NetSpec | None = None) -> None:
+        self.pg = pg
+        self.rank = rank
+        self.size = len(names)
+        self.names = list(names)
+        self.me = self.names[rank]
+        self.traffic = traffic
+        self.timeout = timeout
+        self.net = net if net is not None and (net.bandwidth or net.latency) else None
+
+    def _check_peer(self, peer: int) -> None:
+        if not 0 <= peer < self.size or peer == self.rank:
+            raise ValueError(f"{self.me}: peer index {peer} is not another member of a group of {self.size}")
+
+    def _emulate(self, nbytes: int) -> None:
+        if self.net is not None:
+            time.sleep(self.net.delay(nbytes))
+
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> Work:
+        """Start sending ``tensor`` (contiguous) to member ``peer``."""
+        self._check_peer(peer)
+        nbytes = _nbytes(tensor)
+        self._emulate(nbytes)
+        name = self.names[peer]
+        try:
+            work = self.pg.send([tensor], peer, tag)
+        except RuntimeError as exc:
+            raise translate_error(exc, self.me, f"send of {nbytes} bytes", name, self.timeout) from None
+        self.traffic.sent(name, nbytes)
+        return Work(work, self, f"send of {nbytes} bytes", name)
+
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> Work:
+        """Start receiving into ``tensor`` (contiguous) from member ``peer``."""
+        self._check_peer(peer)
+        nbytes = _nbytes(tensor)
+        name = self.names[peer]
+        try:
+            work = self.pg.recv([tensor], peer, tag)
+        except RuntimeError as exc:
+            raise translate_error(exc, self.me, f"receive of {nbytes} bytes", name, self.timeout) from None
+        return Work(work, self, f"receive of {nbytes} bytes", name,
+                    on_done=lambda: self.traffic.received(name, nbytes))
+
+    def send(self, tensor: torch.Tensor, peer: int, tag: int = 0, timeout: float | None = None) -> None:
+        self.isend(tensor, peer, tag).wait(timeout)
+
+    def recv(self, tensor: torch.Tensor, peer: int, tag: int = 0, timeout: float | None = None) -> None:
+        self.irecv(tensor, peer, tag).wait(timeout)
+
+    def recv_any(self, tensor: torch.Tensor, tag: int = 0, timeout: float | None = None) -> int:
+        """Receive from whichever member sends first; returns its index."""
+        nbytes = _nbytes(tensor)
+        others = [i for i in range(self.size) if i != self.rank]
+        work = self.pg.recv_anysource([tensor], tag)
+        handle = Work(work, self, f"receive of {nbytes} bytes from any member",
+                      ", ".join(self.names[i] for i in others))
+        handle.wait(timeout)
+        source = handle.source_rank()
+        self.traffic.received(self.names[source], nbytes)
+        return source
+
+    def barrier(self, timeout: float | None = None) -> None:
+        """Block until every member arrives, naming the group on timeout."""
+        flag = torch.zeros(1)
+        self.all_reduce_backend(flag).wait(timeout)
+
+    def all_reduce_backend(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
+                           count_bytes: int | None = None) -> Work:
+        """The backend's own all-reduce (async). Its traffic is counted as ``count_bytes``
+        (the caller knows the algorithm's cost; default: the ring's 2(P-1)/P of the tensor),
+        split evenly over the other members, and ``--net`` delays it by the ring's cost."""
+        if self.size == 1:
+            return Work(None, self, "all-reduce", self.me)
+        nbytes = _nbytes(tensor)
+        if count_bytes is None:
+            count_bytes = 2 * (self.size - 1) * nbytes // self.size
+        if self.net is not None:
+            # The backend's ring sends 2(P-1) chunks of N/P bytes in sequence.
+            steps = 2 * (self.size - 1)
+            time.sleep(steps * self.net.delay(nbytes // self.size))
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        opts.timeout = dt.timedelta(seconds=self.timeout)
+        try:
+            work = self.pg.allreduce([tensor], opts)
+        except RuntimeError as exc:
+            raise translate_error(exc, self.me, "all-reduce", "the group", self.timeout) from None
+        others = [n for i, n in enumerate(self.names) if i != self.rank]
+
+        def count() -> None:
+            for name in others:
+                self.traffic.sent(name, count_bytes // len(others))
+                self.traffic.received(name, count_bytes // len(others))
+
+        return Work(work, self, f"all-reduce of {nbytes} bytes", f"one of {', '.join(others)}", on_done=count)
+
+    def broadcast_backend(self, tensor: torch.Tensor, root: int) -> Work:
+        """The backend's own broadcast from member ``root`` (async)."""
+        if self.size == 1:
+            return Work(None, self, "broadcast", self.me)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        opts.rootTensor = 0
+        opts.timeout = dt.timedelta(seconds=self.timeout)
+        nbytes = _nbytes(tensor)
+        if self.rank == root:
+            for i, name in enumerate(self.names):
+                if i != root:
+                    self.traffic.sent(name, nbytes)
+        else:
+            self.traffic.received(self.names[root], nbytes)
+        return Work(self.pg.broadcast([tensor], opts), self, f"broadcast of {nbytes} bytes",
+                    self.names[root])
+
+    def close(self) -> None:
+        """Release the backend group; peers see their links to this process break."""
+        shutdown = getattr(self.pg, "shutdown", None) or getattr(self.pg, "abort", None)
+        if shutdown is not None:
+            try:
+                shutdown()
+            except RuntimeError:  # already broken: nothing left to release
+                pass
+
+
+class Group(Endpoint):
+    """A fixed set of processes (the job's workers, say) that communicate together.
+
+    Every member must construct it with the same ``name`` and ``names``; construction
+    waits up to ``timeout`` seconds for all of them.
+    """
+
+    def __init__(self, store: dist.Store, name: str, rank: int, names: Sequence[str], *, traffic: Traffic,
+                 timeout: float, backend: str = "gloo", net: NetSpec | None = None) -> None:
+        prefix = dist.PrefixStore(f"group/{name}/", store)
+        try:
+            pg = make_process_group(backend, prefix, rank, len(names), timeout)
+        except RuntimeError as exc:
+            raise translate_error(exc, names[rank], f"forming group {name}", "a member", timeout) from None
+        super().__init__(pg, rank, names, traffic, timeout, net)
+        self.name = name
+        # The job store it was made over, for control records of code that uses the group.
+        self.store = store
+
+
+class Link(Endpoint):
+    """A channel between two processes, made when both ask for it.
+
+    Members are ordered by name so that both sides agree on who is 0 and who is 1;
+    ``peer`` is always member index ``1 - rank``.
+    """
+
+    def __init__(self, store: dist.Store, me: str, peer: str, *, traffic: Traffic, timeout: float,
+                 backend: str = "gloo", net: NetSpec | None = None, tag: str = "") -> None:
+        if me == peer:
+            raise ValueError(f"{me}: a link needs two distinct processes")
+        names = sorted([me, peer])
+        prefix = dist.PrefixStore(f"link/{names[0]}|{names[1]}/{tag}", store)
+        rank = names.index(me)
+        try:
+            pg = make_process_group(backend, prefix, rank, 2, timeout)
+        except RuntimeError as exc:
+            raise translate_error(exc, me, "opening a link", peer, timeout) from None
+        super().__init__(pg, rank, names, traffic, timeout, net)
+        self.peer_index = 1 - rank
+        self.peer = peer
+
+    def send_to_peer(self, tensor: torch.Tensor, tag: int = 0, timeout: float | None = None) -> None:
+        self.send(tensor, self.peer_index, tag, timeout)
+
+    def recv_from_peer(self, tensor: torch.Tensor, tag: int = 0, timeout: float | None = None) -> None:
+        self.recv(tensor, self.peer_index, tag, timeout)

@@ -1,0 +1,149 @@
+"""The local launcher: every role of a job as its own process on this machine.
+
+It streams each child's output with a role prefix, stops every child when one fails or
+when it receives SIGINT/SIGTERM (SIGTERM first, SIGKILL after a grace period, so a hung
+child dies too), and returns the first failure's exit status. Children run in their own
+process groups and ask the kernel to kill them if the launcher dies (see ``child.py``),
+so no orphan survives the launcher.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence, TextIO
+
+__all__ = ["RoleSpec", "launch", "exit_status"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """One process to start: its role, its rank within the role, and extra environment."""
+
+    role: str
+    rank: int
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return f"{self.role} {self.rank}"
+
+
+def exit_status(returncode: int) -> int:
+    """A shell-style status: a child killed by signal N reports 128 + N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _pump(stream, prefix: str, sink: TextIO, lock: threading.Lock) -> None:
+    for raw in iter(stream.readline, b""):
+        line = raw.decode(errors="replace").rstrip("\n")
+        with lock:
+            sink.write(f"{prefix}{line}\n")
+            sink.flush()
+    stream.close()
+
+
+class _Children:
+    def __init__(self) -> None:
+        self.procs: list[tuple[RoleSpec, subprocess.Popen]] = []
+
+    def signal_all(self, sig: int) -> None:
+        for _, proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    def stop(self, grace: float) -> None:
+        """SIGTERM every live child, then SIGKILL what is left after ``grace`` seconds."""
+        self.signal_all(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(p.poll() is None for _, p in self.procs):
+            time.sleep(0.02)
+        self.signal_all(signal.SIGKILL)
+        for _, proc in self.procs:
+            try:
+                proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                logger.error("launcher: pid %d did not die after SIGKILL", proc.pid)
+
+
+def launch(argv: Sequence[str], roles: Sequence[RoleSpec], *, env: dict[str, str] | None = None,
+           may_fail: Callable[[RoleSpec, int], bool] | None = None, poll: Callable[[], None] | None = None,
+           grace: float = 2.0, sink: TextIO | None = None, time_limit: float | None = None) -> int:
+    """Run ``argv`` once per role and wait for all of them.
+
+    Each child gets ``env`` plus its role's ``env`` plus ``PLEXUS_ROLE``,
+    ``PLEXUS_ROLE_RANK`` and ``PLEXUS_PARENT_PID``. A child whose failure ``may_fail``
+    accepts (a worker killed on purpose in a fault-tolerant job, say) does not stop the
+    others. ``poll`` is called about twenty times a second (progress display).
+    ``time_limit`` seconds after start every child is stopped and 124 returned.
+
+    Returns 0 when every child succeeded, else the first failure's exit status
+    (128 + signal for the launcher's own SIGINT/SIGTERM).
+    """
+    sink = sink or sys.stderr
+    base_env = dict(os.environ if env is None else env)
+    children = _Children()
+    lock = threading.Lock()
+    received: list[int] = []
+
+    def on_signal(signum, _frame) -> None:
+        received.append(signum)
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, on_signal)
+    pumps = []
+    status = 0
+    started = time.monotonic()
+    try:
+        for spec in roles:
+            child_env = {**base_env, **spec.env, "PLEXUS_ROLE": spec.role, "PLEXUS_ROLE_RANK": str(spec.rank),
+                         "PLEXUS_PARENT_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1"}
+            proc = subprocess.Popen(list(argv), env=child_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+            children.procs.append((spec, proc))
+            pump = threading.Thread(target=_pump, args=(proc.stdout, f"[{spec.name}] ", sink, lock), daemon=True)
+            pump.start()
+            pumps.append(pump)
+        pending = {proc.pid for _, proc in children.procs}
+        while pending:
+            if received:
+                logger.warning("launcher: received signal %d, stopping %d processes", received[0], len(pending))
+                status = 128 + received[0]
+                break
+            if time_limit is not None and time.monotonic() - started > time_limit:
+                with lock:
+                    sink.write(f"plexus: the job ran past its limit of {time_limit:g} s; stopping it\n")
+                status = 124
+                break
+            for spec, proc in children.procs:
+                if proc.pid in pending and proc.poll() is not None:
+                    pending.discard(proc.pid)
+                    code = exit_status(proc.returncode)
+                    if code != 0 and not (may_fail and may_fail(spec, code)):
+                        with lock:
+                            sink.write(f"plexus: {spec.name} exited with status {code}; stopping the job\n")
+                        status = code
+            if status:
+                break
+            if poll is not None:
+                poll()
+            time.sleep(0.05 if pending else 0)
+    finally:
+        children.stop(grace)
+        for pump in pumps:
+            pump.join(timeout=grace)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return status

@@ -1,0 +1,67 @@
+"""Which samples each worker trains on at each step (contracts 1 and 2).
+
+Synchronous strategies: step t of the job consumes global batch t, the same B samples
+whatever the number of workers P; worker r takes the r-th contiguous slice of B/P. The
+order is a seeded permutation per epoch, so the same seed gives the same order.
+
+Asynchronous strategies: the training set is split into P disjoint contiguous partitions
+of a seeded permutation (as DistBelief shards its data), and each worker walks its own
+partition in batches of B/P, reshuffled per epoch.
+"""
+from __future__ import annotations
+
+import torch
+
+from plexus.errors import ConfigError
+
+__all__ = ["GlobalBatches", "PartitionBatches"]
+
+
+def _permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(n, generator=gen)
+
+
+class GlobalBatches:
+    """Global batch ``step`` of ``batch_size`` samples out of ``n``, and worker slices of it."""
+
+    def __init__(self, n: int, batch_size: int, seed: int) -> None:
+        if batch_size > n:
+            raise ConfigError(f"batch_size must not exceed the training set ({n} samples), got {batch_size}: "
+                              f"pass a smaller --batch-size")
+        self.n, self.batch_size, self.seed = n, batch_size, seed
+        # The last partial batch of an epoch is dropped so every step has exactly B samples.
+        self.steps_per_epoch = n // batch_size
+        self._epoch, self._perm = -1, None
+
+    def indices(self, step: int) -> torch.Tensor:
+        epoch, within = divmod(step, self.steps_per_epoch)
+        if epoch != self._epoch:
+            self._epoch, self._perm = epoch, _permutation(self.n, self.seed, epoch)
+        return self._perm[within * self.batch_size: (within + 1) * self.batch_size]
+
+    def worker_indices(self, step: int, rank: int, workers: int) -> torch.Tensor:
+        share = self.batch_size // workers
+        return self.indices(step)[rank * share: (rank + 1) * share]
+
+
+class PartitionBatches:
+    """Batches of ``share`` samples from worker ``rank``'s own partition of ``n`` samples."""
+
+    def __init__(self, n: int, share: int, seed: int, rank: int, workers: int) -> None:
+        owned = _permutation(n, seed, -1)
+        size = n // workers
+        self.partition = owned[rank * size: (rank + 1) * size]
+        if share > len(self.partition):
+            raise ConfigError(f"batch_size / workers ({share}) exceeds a worker's partition "
+                              f"({len(self.partition)} samples): pass a smaller --batch-size")
+        self.share, self.seed, self.rank = share, seed, rank
+        self.steps_per_epoch = len(self.partition) // share
+        self._epoch, self._order = -1, None
+
+    def indices(self, step: int) -> torch.Tensor:
+        epoch, within = divmod(step, self.steps_per_epoch)
+        if epoch != self._epoch:
+            perm = _permutation(len(self.partition), self.seed * 31 + self.rank, epoch)
+            self._epoch, self._order = epoch, self.partition[perm]
+        return self._order[within * self.share: (within + 1) * self.share]

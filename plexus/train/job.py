@@ -1,0 +1,130 @@
+"""A whole training job: validate, prepare the run directory, start every role, collect.
+
+``run(config)`` is the Python API behind ``plexus train``: it starts the processes on this
+machine through the local launcher and returns the summary. ``run_torchrun`` is what a
+process started by ``torchrun`` runs instead: one worker of a job that spans machines.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from plexus.cluster.launcher import RoleSpec, launch
+from plexus.cluster.rendezvous import ProcessInfo, connect_store, host_store, new_token
+from plexus.collectives import get_algorithm
+from plexus.config import JobConfig
+from plexus.errors import ConfigError, JobFailed
+from plexus.strategies import create_strategy
+from plexus.train.data import load_dataset
+from plexus.train.models import build_model
+from plexus.train.runner import save_dataset, worker_main
+
+__all__ = ["run", "run_local", "run_torchrun", "prepare_run_dir", "validate"]
+
+logger = logging.getLogger(__name__)
+
+
+def validate(cfg: JobConfig):
+    """Check names and the model/dataset fit before any process starts; returns the
+    loaded dataset so it is read once."""
+    create_strategy(cfg.strategy.strategy)
+    get_algorithm(cfg.strategy.algorithm, cfg.strategy)
+    data = load_dataset(cfg.data, cfg.run.seed)
+    torch.manual_seed(cfg.run.seed)
+    build_model(cfg.model, data)
+    if cfg.run.batch_size > len(data.x_train):
+        raise ConfigError(f"batch_size must not exceed the training set ({len(data.x_train)} samples), "
+                          f"got {cfg.run.batch_size}: pass a smaller --batch-size")
+    return data
+
+
+def prepare_run_dir(cfg: JobConfig) -> Path:
+    """Create the run directory (default ``runs/<time>-<strategy>``) and write config.json;
+    results of an earlier run in the same directory are removed."""
+    out = Path(cfg.run.out) if cfg.run.out else Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.strategy.strategy}"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot create run directory {out}: {exc.strerror}: pass another --out") from None
+    for stale in ("metrics.jsonl", "summary.json", "model.pt"):
+        (out / stale).unlink(missing_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    return out
+
+
+def _python_path() -> str:
+    """sys.path of this process, so children import the user's modules the parent can."""
+    entries = [os.getcwd()] + [p for p in sys.path if p and os.path.isdir(p)]
+    return os.pathsep.join(dict.fromkeys(entries))
+
+
+def run_local(cfg: JobConfig, poll: Callable[[Path], None] | None = None, sink=None) -> tuple[Path, dict[str, Any]]:
+    """Run the job on this machine; returns (run directory, summary).
+
+    Raises ConfigError before anything starts, JobFailed if a process fails.
+    """
+    data = validate(cfg)
+    run_dir = prepare_run_dir(cfg)
+    token = os.environ.get("PLEXUS_TOKEN") or new_token()
+    store = host_store(cfg.cluster.host, cfg.cluster.port, token, cfg.cluster.timeout)
+    cache = Path(tempfile.mkdtemp(prefix="plexus-data-"))
+    try:
+        save_dataset(data, cache)
+        env = {**os.environ, "MASTER_ADDR": cfg.cluster.host, "MASTER_PORT": str(store.port),
+               "WORLD_SIZE": str(cfg.cluster.workers), "PLEXUS_TOKEN": token,
+               "PLEXUS_CONFIG": str(run_dir / "config.json"), "PLEXUS_RUN_DIR": str(run_dir),
+               "PLEXUS_DATA": str(cache), "PYTHONPATH": _python_path(),
+               "PLEXUS_DEBUG": "1" if cfg.run.debug else ""}
+        roles = [RoleSpec("worker", r, {"RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(cfg.cluster.workers)]
+        # The job's own timeouts end it; this outer limit only catches what they cannot.
+        limit = None if cfg.run.time_limit is None else cfg.run.time_limit + 10 * cfg.cluster.timeout
+        status = launch([sys.executable, "-m", "plexus.train.process"], roles, env=env,
+                        poll=(lambda: poll(run_dir)) if poll else None, sink=sink, time_limit=limit)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    if status != 0:
+        raise JobFailed(f"the job failed (status {status}); see the messages above", exit_code=status)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    _write_report(run_dir)
+    return run_dir, summary
+
+
+def _write_report(run_dir: Path) -> None:
+    from plexus.report import write_report
+    try:
+        write_report([run_dir])
+    except Exception as exc:  # a failed plot must not fail a finished run
+        logger.warning("plexus: could not write the report of %s: %s", run_dir, exc)
+
+
+def run(config: JobConfig | dict[str, Any]) -> dict[str, Any]:
+    """Train as ``plexus train`` would, on this machine; returns the summary.
+
+    ``config`` is a JobConfig or a flat dict of the CLI's keys, e.g.
+    ``plexus.run({"strategy": "allreduce", "workers": 2, "model": "mypkg.nets:make"})``.
+    """
+    cfg = config if isinstance(config, JobConfig) else JobConfig.from_flat(config)
+    run_dir, summary = run_local(cfg)
+    return {**summary, "run_dir": str(run_dir)}
+
+
+def run_torchrun(cfg: JobConfig) -> dict[str, Any] | None:
+    """One worker of a job launched by torchrun (roles and ranks from its environment)."""
+    info = ProcessInfo.from_env()
+    if info.world_size != cfg.cluster.workers:
+        cfg = cfg.replace(workers=info.world_size)
+    store = connect_store(info, cfg.cluster.timeout)
+    run_dir = prepare_run_dir(cfg) if info.rank == 0 else (Path(cfg.run.out) if cfg.run.out else None)
+    summary = worker_main(cfg, info, store, run_dir if info.rank == 0 else None)
+    if summary is not None and run_dir is not None:
+        _write_report(run_dir)
+    return summary

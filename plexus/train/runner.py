@@ -1,0 +1,212 @@
+"""The training loop of one worker process, the same for every strategy.
+
+It loads data and builds the model deterministically (contract 2), picks this worker's
+samples (contract 1), drives the strategy, logs metrics, snapshots the global model for
+evaluation off the clock, stops on steps, epochs, time or target accuracy, and on worker
+0 writes the summary.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from plexus.cluster.emulation import Emulator
+from plexus.cluster.rendezvous import ProcessInfo, store_barrier, store_get_json, store_set_json, wait_keys
+from plexus.cluster.traffic import Traffic
+from plexus.config import JobConfig
+from plexus.errors import PlexusError
+from plexus.strategies import Context, create_strategy
+from plexus.train.batches import GlobalBatches, PartitionBatches
+from plexus.train.data import Dataset, load_dataset
+from plexus.train.evaluation import Evaluation, SnapshotEvaluator, evaluate, loss_fn
+from plexus.train.metrics import MetricsLog
+from plexus.train.models import build_model
+
+__all__ = ["worker_main", "NonFiniteLoss", "save_dataset", "load_saved_dataset", "resolve_device",
+           "total_steps"]
+
+logger = logging.getLogger(__name__)
+
+_DATA_TENSORS = ("x_train", "y_train", "x_test", "y_test")
+
+
+class NonFiniteLoss(PlexusError):
+    exit_code = 3
+
+
+def save_dataset(data: Dataset, folder: Path) -> None:
+    """Write a loaded dataset as .npy files and JSON (no pickle), for workers to map."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for key in _DATA_TENSORS:
+        np.save(folder / f"{key}.npy", getattr(data, key).numpy(), allow_pickle=False)
+    meta = {"name": data.name, "task": data.task, "num_classes": data.num_classes,
+            "input_shape": list(data.input_shape), "num_features": data.num_features}
+    (folder / "meta.json").write_text(json.dumps(meta))
+
+
+def load_saved_dataset(folder: Path) -> Dataset:
+    meta = json.loads((folder / "meta.json").read_text())
+    tensors = {key: torch.from_numpy(np.load(folder / f"{key}.npy", allow_pickle=False)) for key in _DATA_TENSORS}
+    return Dataset(name=meta["name"], task=meta["task"], num_classes=meta["num_classes"],
+                   input_shape=tuple(meta["input_shape"]), num_features=meta["num_features"], **tensors)
+
+
+def resolve_device(cfg: JobConfig, local_rank: int) -> tuple[torch.device, str]:
+    """(device, backend): CUDA and NCCL where asked for or present, else CPU and gloo."""
+    want = cfg.cluster.device
+    use_cuda = want == "cuda" or (want == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        if not torch.cuda.is_available():
+            from plexus.errors import ConfigError
+            raise ConfigError("device cuda was asked for but CUDA is not available: pass --device cpu")
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    backend = cfg.cluster.backend
+    if backend == "auto":
+        backend = "nccl" if use_cuda else "gloo"
+    return device, backend
+
+
+def total_steps(cfg: JobConfig, steps_per_epoch: int) -> int:
+    """Steps the run may take: --steps, else --epochs (one epoch when neither is given)."""
+    if cfg.run.steps is not None:
+        return cfg.run.steps
+    epochs = cfg.run.epochs if cfg.run.epochs is not None else (None if cfg.run.time_limit else 1.0)
+    if epochs is None:
+        return 2**62  # bounded by --time-limit alone
+    return max(1, math.ceil(epochs * steps_per_epoch))
+
+
+def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
+                data: Dataset | None = None) -> dict[str, Any] | None:
+    """Train as worker ``info.rank``; returns the summary on worker 0, else None."""
+    if cfg.cluster.threads:
+        torch.set_num_threads(cfg.cluster.threads)
+    device, backend = resolve_device(cfg, info.local_rank)
+    data = data if data is not None else load_dataset(cfg.data, cfg.run.seed)
+    torch.manual_seed(cfg.run.seed)
+    model = build_model(cfg.model, data).to(device)
+    traffic = Traffic()
+    emulator = Emulator(cfg.cluster, "worker", info.rank)
+    strategy = create_strategy(cfg.strategy.strategy)
+    ctx = Context(info=info, store=store, cfg=cfg, traffic=traffic, emulator=emulator, device=device,
+                  backend=backend)
+    strategy.setup(model, loss_fn, ctx)
+    workers, rank = info.world_size, info.rank
+    share = cfg.run.batch_size // workers
+    if strategy.synchronous:
+        batches = GlobalBatches(len(data.x_train), cfg.run.batch_size, cfg.run.seed)
+    else:
+        batches = PartitionBatches(len(data.x_train), share, cfg.run.seed, rank, workers)
+    limit = total_steps(cfg, batches.steps_per_epoch)
+    log = MetricsLog(run_dir)
+
+    # The training clock starts when every worker is ready; worker 0's start is everyone's.
+    store_barrier(store, "train/ready", workers, cfg.cluster.timeout)
+    if rank == 0:
+        store.set("train/t0", repr(time.time()))
+    wait_keys(store, ["train/t0"], cfg.cluster.timeout, "worker 0's start time")
+    t0 = float(store.get("train/t0").decode())
+    clock = lambda: time.time() - t0  # noqa: E731
+
+    holder = strategy.global_model()
+    evaluator = None
+    if holder is not None and rank == 0:
+        evaluator = SnapshotEvaluator(holder, data.x_test, data.y_test, device, log, cfg.run.target_accuracy)
+    must_agree = cfg.run.time_limit is not None or cfg.run.target_accuracy is not None
+    steps_done, loss = 0, float("nan")
+    samples_per_step = cfg.run.batch_size if strategy.synchronous else share
+    try:
+        for step in range(limit):
+            emulator.at_step(step)
+            idx = batches.worker_indices(step, rank, workers) if strategy.synchronous else batches.indices(step)
+            x, y = data.x_train[idx].to(device, non_blocking=True), data.y_train[idx].to(device, non_blocking=True)
+            stats = strategy.step(x, y)
+            loss = stats.loss
+            steps_done = step + 1
+            if not math.isfinite(loss):
+                raise NonFiniteLoss(f"worker {rank}: the training loss became {loss} at step {step}: "
+                                    f"the learning rate ({cfg.optim.lr:g}) is probably too high; lower --lr")
+            samples = steps_done * samples_per_step
+            if steps_done % cfg.run.log_every == 0 or steps_done == limit:
+                log.log("train", time=clock(), worker=rank, step=steps_done, loss=loss, samples=samples,
+                        bytes_sent=traffic.bytes_sent, bytes_recv=traffic.bytes_recv, staleness=stats.staleness)
+            if evaluator is not None and cfg.run.eval_every and steps_done % cfg.run.eval_every == 0:
+                evaluator.submit(holder, steps_done, clock(), samples)
+            if must_agree and steps_done % cfg.run.log_every == 0:
+                over = cfg.run.time_limit is not None and clock() >= cfg.run.time_limit
+                reached = evaluator is not None and evaluator.reached.is_set()
+                if strategy.agree(over or reached):
+                    break
+        wall = clock()
+        summary = None
+        if evaluator is not None:
+            evaluator.close()
+            final_loss, final_acc = evaluate(holder, data.x_test, data.y_test, device)
+            if not evaluator.results or evaluator.results[-1].step != steps_done:
+                evaluator.record(Evaluation(step=steps_done, time=wall, samples=steps_done * samples_per_step,
+                                            accuracy=final_acc, loss=final_loss))
+            if run_dir is not None and cfg.run.save_model:
+                torch.save(holder.state_dict(), run_dir / "model.pt")
+        store_set_json(store, f"stats/worker/{rank}",
+                       {"steps": steps_done, "bytes_sent": traffic.bytes_sent, "bytes_recv": traffic.bytes_recv,
+                        "traffic": traffic.snapshot(), "loss": loss, "slept": emulator.slept})
+        if rank == 0:
+            summary = _summarize(cfg, store, workers, wall, steps_done, strategy.synchronous, evaluator,
+                                 final_acc, final_loss)
+            if run_dir is not None:
+                (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        # Nobody may tear down links while others still use them.
+        store_barrier(store, "train/done", workers, cfg.cluster.timeout)
+        return summary
+    finally:
+        log.close()
+        strategy.close()
+
+
+def _summarize(cfg: JobConfig, store, workers: int, wall: float, steps: int, synchronous: bool,
+               evaluator: SnapshotEvaluator, final_acc: float, final_loss: float) -> dict[str, Any]:
+    keys = [f"stats/worker/{r}" for r in range(workers)]
+    wait_keys(store, keys, cfg.cluster.timeout, "every worker's final statistics")
+    stats = [store_get_json(store, k) for k in keys]
+    if synchronous:
+        samples = steps * cfg.run.batch_size
+    else:
+        samples = sum(s["steps"] for s in stats) * (cfg.run.batch_size // workers)
+    sent = [s["bytes_sent"] for s in stats]
+    return {
+        "strategy": cfg.strategy.strategy,
+        "algorithm": cfg.strategy.algorithm,
+        "workers": workers,
+        "servers": cfg.cluster.servers,
+        "dataset": cfg.data.dataset,
+        "model": cfg.model.model,
+        "steps": steps,
+        "samples": samples,
+        "final_test_accuracy": final_acc,
+        "final_test_loss": final_loss,
+        "wall_seconds": wall,
+        "samples_per_second": samples / wall if wall > 0 else None,
+        "time_to_target_seconds": evaluator.time_to_target,
+        "target_accuracy": cfg.run.target_accuracy,
+        "bytes_sent_total": sum(sent),
+        "bytes_sent_per_worker": sent,
+        "updates_applied": steps,
+        # Synchronous updates are computed on the current model: staleness 0.
+        "staleness_mean": 0.0,
+        "staleness_max": 0,
+        "lost_workers": [],
+        "evaluations": len(evaluator.results),
+        "snapshots_skipped": evaluator.skipped,
+        "final_train_loss": stats[0]["loss"],
+    }
