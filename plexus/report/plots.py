@@ -1,0 +1,273 @@
+"""The report's plots: one PNG per quantity, every run overlaid on the same axes.
+
+Inputs are the events of ``metrics.jsonl`` (see ``plexus.train.metrics``) already read
+and labelled; this module knows nothing about run directories. A plot whose data no run
+has is skipped rather than drawn empty, so a strategy without staleness or a run that
+never evaluated still gets a report.
+
+Figures are built with ``matplotlib.figure.Figure`` rather than ``pyplot``: they never
+enter pyplot's global registry of open figures, so nothing needs closing, nothing
+accumulates across calls in a long session, and no GUI backend is ever selected (the
+PNG is rendered by Agg whatever the default backend is).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from matplotlib.figure import Figure
+
+__all__ = ["PlotRun", "Plot", "write_plots", "byte_unit"]
+
+# Fraction of a run's duration over which throughput is averaged: short enough to show
+# a slowdown (a straggler, a lost worker), long enough that the uneven spacing of log
+# events from several processes does not turn the derivative into noise.
+_THROUGHPUT_WINDOW = 0.1
+
+_FIGSIZE = (7.0, 4.2)  # inches; at 110 dpi a plot fits a laptop screen beside the table
+_DPI = 110
+
+
+@dataclass(frozen=True)
+class PlotRun:
+    """One run as the plots see it: a legend label and its events."""
+
+    label: str
+    # metrics.jsonl events in file order (any kinds; each plot picks its own).
+    events: list[dict[str, Any]] = field(default_factory=list)
+    # Target test accuracy as a fraction in (0, 1], or None when the run had none.
+    target_accuracy: float | None = None
+
+
+@dataclass(frozen=True)
+class Plot:
+    """A written plot: its PNG and a one-line caption for the report."""
+
+    path: Path
+    caption: str
+
+
+def byte_unit(nbytes: float) -> tuple[float, str]:
+    """The IEC unit (divisor, name) that shows ``nbytes`` with 1 to 4 integer digits."""
+    for power, name in ((3, "GiB"), (2, "MiB"), (1, "KiB")):
+        if abs(nbytes) >= 1024**power:
+            return float(1024**power), name
+    return 1.0, "B"
+
+
+def _number(value: Any) -> float | None:
+    """``value`` as a float, or None when it is missing or not a number (bools excluded)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def _of_kind(run: PlotRun, kind: str) -> list[dict[str, Any]]:
+    return [e for e in run.events if isinstance(e, dict) and e.get("event") == kind]
+
+
+def _evals(run: PlotRun) -> tuple[list[dict[str, Any]], str]:
+    """The eval events to plot and the model they evaluate.
+
+    The global model is what the run's accuracy means; strategies without one (each
+    worker keeping its own replica) evaluate replicas, and then the first replica named
+    stands for the run rather than overlaying one line per worker.
+    """
+    evals = [e for e in _of_kind(run, "eval") if _number(e.get("test_accuracy")) is not None]
+    models = sorted({str(e.get("model", "global")) for e in evals})
+    model = "global" if "global" in models or not models else models[0]
+    chosen = [e for e in evals if str(e.get("model", "global")) == model]
+    return chosen, model
+
+
+def _series(events: list[dict[str, Any]], x: str, y: str) -> tuple[np.ndarray, np.ndarray]:
+    """(x, y) of the events where both are numbers, sorted by x."""
+    pairs = sorted((_number(e.get(x)), _number(e.get(y))) for e in events
+                   if _number(e.get(x)) is not None and _number(e.get(y)) is not None)
+    return np.array([p[0] for p in pairs]), np.array([p[1] for p in pairs])
+
+
+def _new_figure(title: str, xlabel: str, ylabel: str) -> tuple[Figure, Any]:
+    fig = Figure(figsize=_FIGSIZE, dpi=_DPI, layout="constrained")
+    ax = fig.add_subplot()
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    return fig, ax
+
+
+def _save(fig: Figure, ax: Any, path: Path) -> Path:
+    ax.legend(fontsize="small")
+    fig.savefig(path, format="png")
+    return path
+
+
+def _color(index: int) -> str:
+    # The run's index, not its position among runs that have this plot's data, picks the
+    # colour, so one run keeps one colour across every plot of the report.
+    return f"C{index % 10}"
+
+
+def _eval_label(run: PlotRun, model: str) -> str:
+    return run.label if model == "global" else f"{run.label} ({model})"
+
+
+def _accuracy_vs(runs: Sequence[PlotRun], x: str, out: Path, xlabel: str, title: str,
+                 with_target: bool) -> Path | None:
+    fig, ax = _new_figure(title, xlabel, "test accuracy (%)")
+    drawn = False
+    for i, run in enumerate(runs):
+        evals, model = _evals(run)
+        xs, ys = _series(evals, x, "test_accuracy")
+        if len(xs):
+            ax.plot(xs, ys * 100, marker="o", markersize=3, color=_color(i), label=_eval_label(run, model))
+            drawn = True
+    if not drawn:
+        return None
+    if with_target:
+        targets = sorted({run.target_accuracy for run in runs if _number(run.target_accuracy) is not None})
+        for target in targets:
+            ax.axhline(target * 100, linestyle="--", color="0.4", linewidth=1,
+                       label=f"target {target * 100:g} %")
+    return _save(fig, ax, out)
+
+
+def _loss(runs: Sequence[PlotRun], out: Path) -> Path | None:
+    fig, ax = _new_figure("Training loss", "time (s)", "training loss (mean over workers at each step)")
+    drawn = False
+    for i, run in enumerate(runs):
+        # Mean over the workers that logged a step, at the mean of their times: for
+        # synchronous strategies they log together; for asynchronous ones a step is each
+        # worker's own count, and the mean still tracks the job. A lost worker simply
+        # stops contributing.
+        by_step: dict[float, list[tuple[float, float]]] = defaultdict(list)
+        for e in _of_kind(run, "train"):
+            step, t, loss = _number(e.get("step")), _number(e.get("time")), _number(e.get("loss"))
+            if step is not None and t is not None and loss is not None:
+                by_step[step].append((t, loss))
+        if not by_step:
+            continue
+        points = sorted((float(np.mean([p[0] for p in ps])), float(np.mean([p[1] for p in ps])))
+                        for ps in by_step.values())
+        ax.plot([p[0] for p in points], [p[1] for p in points], color=_color(i), label=run.label)
+        drawn = True
+    return _save(fig, ax, out) if drawn else None
+
+
+def _throughput_curve(events: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
+    """Smoothed d(samples)/d(time) of the job, in samples per second.
+
+    Each train event carries the job's sample count as one worker sees it; the running
+    maximum over all workers is the job's progress, and it stays defined when a worker
+    (worker 0 included) is lost. Only the moments the progress first reaches a new
+    count are kept: the other workers logging the same step a few milliseconds later add
+    no samples, and would otherwise read as zero throughput. The rate at each kept point
+    is the slope back to the last point at least ``_THROUGHPUT_WINDOW`` of the run
+    earlier (or to the first point), a moving average of the derivative.
+    """
+    ts, ss = _series(events, "time", "samples")
+    if len(ts) < 2:
+        return np.array([]), np.array([])
+    progress = np.maximum.accumulate(ss)
+    rises = np.concatenate(([True], progress[1:] > progress[:-1]))
+    ts, progress = ts[rises], progress[rises]
+    span = ts[-1] - ts[0]
+    if len(ts) < 2 or span <= 0:
+        return np.array([]), np.array([])
+    window = span * _THROUGHPUT_WINDOW
+    prev = np.maximum(np.searchsorted(ts, ts - window, side="right") - 1, 0)
+    valid = ts > ts[prev]  # the first point, and any sharing its time, have no slope yet
+    rates = (progress[valid] - progress[prev[valid]]) / (ts[valid] - ts[prev[valid]])
+    return ts[valid], rates
+
+
+def _throughput(runs: Sequence[PlotRun], out: Path) -> Path | None:
+    fig, ax = _new_figure("Throughput", "time (s)",
+                          f"samples/s (job, sliding window {_THROUGHPUT_WINDOW:.0%} of run)")
+    drawn = False
+    for i, run in enumerate(runs):
+        ts, rates = _throughput_curve(_of_kind(run, "train"))
+        if len(ts):
+            ax.plot(ts, rates, color=_color(i), label=run.label)
+            drawn = True
+    if drawn:
+        ax.set_ylim(bottom=0)
+    return _save(fig, ax, out) if drawn else None
+
+
+def _bytes_curve(events: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
+    """Total bytes sent by all workers over time.
+
+    ``bytes_sent`` is each process's cumulative counter; at every event the job's total
+    is the sum of each worker's latest value, so workers logging at different moments
+    are neither double-counted nor dropped.
+    """
+    rows = sorted((t, str(e.get("worker")), b) for e in events
+                  if (t := _number(e.get("time"))) is not None and (b := _number(e.get("bytes_sent"))) is not None)
+    latest: dict[str, float] = {}
+    ts, totals = [], []
+    for t, worker, sent in rows:
+        latest[worker] = sent
+        ts.append(t)
+        totals.append(sum(latest.values()))
+    return np.array(ts), np.array(totals)
+
+
+def _bytes_sent(runs: Sequence[PlotRun], out: Path) -> Path | None:
+    curves = [(i, run, *_bytes_curve(_of_kind(run, "train"))) for i, run in enumerate(runs)]
+    curves = [c for c in curves if len(c[2])]
+    if not curves:
+        return None
+    divisor, unit = byte_unit(max(float(c[3].max()) for c in curves))
+    fig, ax = _new_figure("Bytes sent", "time (s)", f"cumulative bytes sent, all workers ({unit})")
+    for i, run, ts, totals in curves:
+        ax.step(ts, totals / divisor, where="post", color=_color(i), label=run.label)
+    return _save(fig, ax, out)
+
+
+def _staleness(runs: Sequence[PlotRun], out: Path) -> Path | None:
+    hists: list[tuple[int, PlotRun, list[float]]] = []
+    for i, run in enumerate(runs):
+        events = _of_kind(run, "staleness_histogram")
+        counts = events[-1].get("counts") if events else None  # the last one covers the whole run
+        if isinstance(counts, list):
+            values = [_number(c) or 0.0 for c in counts]
+            if any(values):
+                hists.append((i, run, values))
+    if not hists:
+        return None
+    fig, ax = _new_figure("Staleness of applied updates", "staleness (versions behind)", "updates applied")
+    # Grouped bars: each run gets a slice of the unit width around each staleness value.
+    width = 0.8 / len(hists)
+    for slot, (i, run, values) in enumerate(hists):
+        xs = np.arange(len(values)) + (slot - (len(hists) - 1) / 2) * width
+        ax.bar(xs, values, width=width, color=_color(i), label=run.label)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    return _save(fig, ax, out)
+
+
+def write_plots(runs: Sequence[PlotRun], out_dir: str | Path) -> list[Plot]:
+    """Write every plot some run has data for into ``out_dir``; return them in report order."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    makers = (
+        ("accuracy_time.png", "Test accuracy against wall time",
+         lambda p: _accuracy_vs(runs, "time", p, "time (s)", "Test accuracy vs time", with_target=True)),
+        ("accuracy_samples.png", "Test accuracy against training samples consumed",
+         lambda p: _accuracy_vs(runs, "samples", p, "samples", "Test accuracy vs samples", with_target=False)),
+        ("loss_time.png", "Training loss against wall time", lambda p: _loss(runs, p)),
+        ("throughput.png", "Training throughput", lambda p: _throughput(runs, p)),
+        ("bytes_sent.png", "Cumulative bytes sent by the workers", lambda p: _bytes_sent(runs, p)),
+        ("staleness.png", "Staleness histogram (last one logged)", lambda p: _staleness(runs, p)),
+    )
+    written = []
+    for name, caption, make in makers:
+        path = make(out / name)
+        if path is not None:
+            written.append(Plot(path=path, caption=caption))
+    return written

@@ -1,0 +1,39 @@
+"""Shared fixtures: a temporary matplotlib config, and a check that no test leaves a
+child process behind."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+os.environ.setdefault("MPLCONFIGDIR", "/tmp/plexus-mpl")
+# Children started by spawn() import the test helpers from here.
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
+
+
+def _children() -> set[int]:
+    """PIDs of live processes whose parent is this test process."""
+    me, found = os.getpid(), set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rfind(")") + 2:].split()
+            if int(fields[1]) == me and fields[0] != "Z":
+                found.add(int(entry))
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_orphans():
+    """Every test must reap what it starts."""
+    before = _children()
+    yield
+    left = _children() - before
+    assert not left, f"test left child processes behind: {sorted(left)}"
