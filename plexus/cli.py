@@ -63,7 +63,7 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("optimisation")
     _flag(g, "optimizer", choices=["sgd", "adam", "adagrad"], help="optimizer (default sgd)")
     _flag(g, "lr", type=float, help="learning rate (default 0.1)")
-    _flag(g, "momentum", type=float, help="sgd momentum (default 0)")
+    _flag(g, "momentum", type=float, help="sgd momentum (default 0.9; 0 for plain SGD)")
     _flag(g, "weight-decay", type=float, help="L2 penalty (default 0)")
     _flag(g, "batch-size", type=int, help="global batch size (default 64)")
     _flag(g, "steps", type=int, help="training steps")

@@ -74,8 +74,8 @@ class OptimConfig:
     optimizer: Literal["sgd", "adam", "adagrad"] = "sgd"
     # Learning rate (step size), dimensionless.
     lr: float = 0.1
-    # Heavy-ball momentum for sgd, 0 for plain SGD.
-    momentum: float = 0.0
+    # Heavy-ball momentum for sgd (0.9, the usual recipe value; 0 for plain SGD).
+    momentum: float = 0.9
     # L2 penalty added to the gradient.
     weight_decay: float = 0.0
 

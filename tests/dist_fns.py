@@ -19,3 +19,77 @@ def allreduce_check(group, algorithm: str, length: int, dtype: str, op: str = "s
     get_algorithm(algorithm)(tensor, group, op)
     err = (tensor.double() - expected).abs().max().item() if length else 0.0
     return {"max_err": err, "dtype": str(tensor.dtype), "shape": list(tensor.shape)}
+
+
+def train_cases(group, cases: list[dict]) -> None:
+    """Run the real training loop once per case (flat config with an ``out`` folder),
+    each in its own store namespace, in the processes of an already spawned job."""
+    import torch.distributed as dist
+    from pathlib import Path
+
+    from plexus.cluster.rendezvous import ProcessInfo
+    from plexus.config import JobConfig
+    from plexus.train.runner import worker_main
+
+    info = ProcessInfo.from_env()
+    for i, flat in enumerate(cases):
+        cfg = JobConfig.from_flat({**flat, "workers": group.size})
+        store = dist.PrefixStore(f"case{i}/", group.store)
+        out = Path(flat["out"])
+        out.mkdir(parents=True, exist_ok=True)
+        worker_main(cfg, info, store, out)
+
+
+def recv_timeout(group, timeout: float) -> str:
+    """Rank 0 waits for a message rank 1 never sends; returns the error text."""
+    from plexus.errors import CommTimeout
+
+    if group.rank == 0:
+        try:
+            group.recv(torch.zeros(4), 1, timeout=timeout)
+        except CommTimeout as exc:
+            return f"{type(exc).__name__}: {exc} [peer={exc.peer}]"
+        return "no error"
+    return "idle"
+
+
+def count_traffic(group, numel: int, messages: int) -> dict:
+    """Ring of sends; returns this process's counters."""
+    right, left = (group.rank + 1) % group.size, (group.rank - 1) % group.size
+    out, into = torch.ones(numel), torch.empty(numel)
+    for _ in range(messages):
+        recv = group.irecv(into, left)
+        group.isend(out, right).wait()
+        recv.wait()
+    return group.traffic.snapshot()
+
+
+def timed_sends(group, numel: int, messages: int) -> float:
+    """Seconds rank 0 takes to send ``messages`` tensors to rank 1 (with --net emulation)."""
+    import time
+    buf = torch.zeros(numel)
+    start = time.perf_counter()
+    for _ in range(messages):
+        if group.rank == 0:
+            group.send(buf, 1)
+        else:
+            group.recv(buf, 0)
+    return time.perf_counter() - start
+
+
+def link_pair(group) -> dict:
+    """Two processes open a Link lazily by name and exchange one tensor each way."""
+    from plexus.cluster.group import Link
+    from plexus.cluster.traffic import Traffic
+    me, peer = group.names[group.rank], group.names[1 - group.rank]
+    traffic = Traffic()
+    link = Link(group.store, me, peer, traffic=traffic, timeout=10)
+    got = torch.empty(3)
+    if group.rank == 0:
+        link.send_to_peer(torch.tensor([1.0, 2.0, 3.0]))
+        link.recv_from_peer(got)
+    else:
+        link.recv_from_peer(got)
+        link.send_to_peer(got * 10)
+    link.close()
+    return {"got": got.tolist(), "traffic": traffic.snapshot()}

@@ -34,6 +34,8 @@ _LOST_MARKERS = ("closed", "reset", "broken pipe", "sigpipe", "connection refuse
 def translate_error(exc: BaseException, me: str, what: str, peer: str, timeout: float) -> CommError:
     """Map a backend error to CommTimeout or PeerLost, naming who did not answer."""
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    # gloo appends advice and a source location; keep the fact.
+    text = text.split(" This is typically")[0].split("] ", 1)[-1].rstrip(".")
     lowered = text.lower()
     if "timed out" in lowered or "timeout" in lowered:
         return CommTimeout(f"{me}: {what}: {peer} did not answer within {timeout:g} s", peer=peer)

@@ -138,12 +138,13 @@ def connect_store(info: ProcessInfo, timeout: float) -> dist.PrefixStore:
     except (RuntimeError, OSError) as exc:
         raise PeerLost(f"{info.name}: cannot reach the rendezvous store at {info.master_addr}:"
                        f"{info.master_port} within {timeout:g} s: {exc}", peer="store") from None
+    # The first process to arrive stamps the digest (our launcher already has; under
+    # torchrun's agent store the first worker does), atomically; the rest compare.
     try:
-        store.wait([_DIGEST_KEY], dt.timedelta(seconds=timeout))
-        theirs = store.get(_DIGEST_KEY).decode()
+        theirs = store.compare_set(_DIGEST_KEY, "", _digest(info.token)).decode()
     except RuntimeError as exc:
-        raise CommTimeout(f"{info.name}: the store at {info.master_addr}:{info.master_port} has no job "
-                          f"digest after {timeout:g} s: {exc}", peer="store") from None
+        raise CommTimeout(f"{info.name}: the store at {info.master_addr}:{info.master_port} did not "
+                          f"answer within {timeout:g} s: {exc}", peer="store") from None
     if theirs != _digest(info.token):
         raise ConfigError(f"{info.name}: refused by the job at {info.master_addr}:{info.master_port}: "
                           f"the job token does not match; set PLEXUS_TOKEN to the job's token")

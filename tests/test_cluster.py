@@ -1,0 +1,206 @@
+"""cluster/: launcher hygiene, rendezvous and tokens, links, counters, timeouts, emulation."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from plexus.cluster.emulation import Emulator
+from plexus.cluster.launcher import RoleSpec, launch
+from plexus.cluster.rendezvous import ProcessInfo, connect_store, host_store, new_token
+from plexus.cluster.spawn import spawn
+from plexus.config import ClusterConfig, parse_kill, parse_net, parse_slow
+from plexus.errors import ConfigError
+
+PY = sys.executable
+
+
+def processes_of(parent_pid: int) -> list[int]:
+    """Live processes started by the launcher with this PID (they carry it in their environment)."""
+    marker = f"PLEXUS_PARENT_PID={parent_pid}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if marker in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
+                state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state != "Z":
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def wait_until(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+# --- launcher -------------------------------------------------------------------------
+
+def test_launcher_returns_first_failure_and_stops_the_rest(capsys):
+    code = "import os, sys, time\nr = int(os.environ['PLEXUS_ROLE_RANK'])\nprint('hello from', r)\n" \
+           "if r == 1: sys.exit(7)\ntime.sleep(60)\n"
+    start = time.monotonic()
+    status = launch([PY, "-c", code], [RoleSpec("worker", r) for r in range(3)], sink=sys.stdout)
+    assert status == 7
+    assert time.monotonic() - start < 10
+    out = capsys.readouterr().out
+    assert "[worker 1] hello from 1" in out and "worker 1 exited with status 7" in out
+    assert processes_of(os.getpid()) == []
+
+
+def test_launcher_kills_a_child_that_ignores_sigterm():
+    code = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('up', flush=True)\n" \
+           "time.sleep(60)\n"
+    fail = "import sys, time\ntime.sleep(0.5)\nsys.exit(3)\n"
+    start = time.monotonic()
+    status = launch([PY, "-c", f"import os\nexec({fail!r} if os.environ['PLEXUS_ROLE_RANK'] == '0' else {code!r})"],
+                    [RoleSpec("worker", 0), RoleSpec("worker", 1)], grace=1.0, sink=open(os.devnull, "w"))
+    assert status == 3
+    assert time.monotonic() - start < 5
+    assert processes_of(os.getpid()) == []
+
+
+def test_launcher_tolerates_accepted_failures():
+    code = "import os, sys\nsys.exit(9 if os.environ['PLEXUS_ROLE_RANK'] == '0' else 0)"
+    status = launch([PY, "-c", code], [RoleSpec("worker", 0), RoleSpec("worker", 1)],
+                    may_fail=lambda spec, code: spec.rank == 0, sink=open(os.devnull, "w"))
+    assert status == 0
+
+
+def _start_training(tmp_path: Path, *extra: str) -> subprocess.Popen:
+    out = tmp_path / "run"
+    proc = subprocess.Popen([PY, "-m", "plexus.cli", "train", "--workers", "2", "--time-limit", "120",
+                             "--out", str(out), "--quiet", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    assert wait_until(lambda: (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").stat().st_size > 0, 60), \
+        proc.stderr.read1().decode() if proc.poll() is not None else "training never started"
+    assert len(processes_of(proc.pid)) == 2
+    return proc
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_to_launcher_leaves_no_process(tmp_path, sig):
+    proc = _start_training(tmp_path)
+    proc.send_signal(sig)
+    proc.wait(timeout=5)
+    assert proc.returncode == 128 + sig
+    assert wait_until(lambda: processes_of(proc.pid) == [], 5), processes_of(proc.pid)
+
+
+@pytest.mark.slow
+def test_sigkill_of_launcher_takes_children_down(tmp_path):
+    proc = _start_training(tmp_path)
+    proc.kill()
+    proc.wait(timeout=5)
+    assert wait_until(lambda: processes_of(proc.pid) == [], 5), processes_of(proc.pid)
+
+
+@pytest.mark.slow
+def test_killed_child_ends_job_with_its_status(tmp_path):
+    proc = _start_training(tmp_path, "--timeout", "5")
+    victim = processes_of(proc.pid)[0]
+    os.kill(victim, signal.SIGKILL)
+    _, err = proc.communicate(timeout=20)
+    assert proc.returncode != 0
+    assert "exited with status" in err.decode()
+    assert wait_until(lambda: processes_of(proc.pid) == [], 5)
+
+
+# --- rendezvous -----------------------------------------------------------------------
+
+def _info(token: str, port: int) -> ProcessInfo:
+    return ProcessInfo(role="worker", rank=0, world_size=1, master_addr="127.0.0.1", master_port=port, token=token)
+
+
+def test_token_is_checked_at_rendezvous():
+    token = new_token()
+    store = host_store("127.0.0.1", 0, token, timeout=5)
+    connect_store(_info(token, store.port), timeout=5)
+    with pytest.raises(ConfigError, match="token does not match"):
+        connect_store(_info("wrong-token", store.port), timeout=5)
+
+
+def test_port_in_use_is_a_config_error():
+    store = host_store("127.0.0.1", 0, new_token(), timeout=5)
+    with pytest.raises(ConfigError, match=f"port {store.port} .* already in use"):
+        host_store("127.0.0.1", store.port, new_token(), timeout=5)
+
+
+def test_job_keys_are_namespaced_by_token():
+    a, b = new_token(), new_token()
+    store = host_store("127.0.0.1", 0, a, timeout=5)
+    ns = connect_store(_info(a, store.port), timeout=5)
+    ns.set("secret", "1")
+    assert not dist.PrefixStore(f"plexus/{b}/", store).check(["secret"])
+
+
+# --- links, groups, counters, timeouts ------------------------------------------------
+
+@pytest.mark.slow
+def test_timeout_names_the_silent_peer():
+    results = spawn("dist_fns:recv_timeout", 2, {"timeout": 1.0})
+    assert results[0].startswith("CommTimeout"), results[0]
+    assert "worker 1 did not answer within 1 s" in results[0] and "[peer=worker 1]" in results[0]
+
+
+@pytest.mark.slow
+def test_counters_count_every_message():
+    numel, messages = 1000, 5
+    results = spawn("dist_fns:count_traffic", 3, {"numel": numel, "messages": messages})
+    for rank, snap in enumerate(results):
+        right, left = f"worker {(rank + 1) % 3}", f"worker {(rank - 1) % 3}"
+        assert snap[right]["bytes_sent"] == numel * 4 * messages and snap[right]["msgs_sent"] == messages
+        assert snap[left]["bytes_recv"] == numel * 4 * messages and snap[left]["msgs_recv"] == messages
+
+
+@pytest.mark.slow
+def test_link_is_made_lazily_between_two_processes():
+    results = spawn("dist_fns:link_pair", 2, {})
+    assert results[1]["got"] == [1.0, 2.0, 3.0] and results[0]["got"] == [10.0, 20.0, 30.0]
+    assert results[0]["traffic"]["worker 1"] == {"bytes_sent": 12, "bytes_recv": 12, "msgs_sent": 1, "msgs_recv": 1}
+
+
+@pytest.mark.slow
+def test_net_emulation_delays_sends():
+    # 5 sends of 40 kB at 50 ms latency + 40 kB / 1 MB/s = 40 ms each: at least 0.45 s.
+    results = spawn("dist_fns:timed_sends", 2, {"numel": 10_000, "messages": 5}, net="bandwidth=8mbit,latency=50ms")
+    assert results[0] >= 0.45
+
+
+# --- emulation and its flags ----------------------------------------------------------
+
+def test_flag_parsing():
+    assert parse_slow("worker:0=4,worker:2=1.5")[1].factor == 1.5
+    assert parse_kill("worker:1@step=50")[0].step == 50
+    net = parse_net("bandwidth=100mbit,latency=2ms")
+    assert net.bandwidth == 12.5e6 and net.latency == 0.002
+    assert net.delay(12_500_000) == pytest.approx(1.002)
+    for bad in ("worker=4", "node:0=2", "worker:0=0.5"):
+        with pytest.raises(ConfigError):
+            parse_slow(bad)
+    with pytest.raises(ConfigError):
+        parse_net("bandwidth=fast")
+    with pytest.raises(ConfigError, match="must name an existing worker"):
+        ClusterConfig(workers=2, slow=parse_slow("worker:5=2"))
+
+
+def test_slow_worker_sleeps_its_factor():
+    emu = Emulator(ClusterConfig(workers=2, slow=parse_slow("worker:1=3")), "worker", 1)
+    start = time.perf_counter()
+    emu.stretch(0.05)
+    assert time.perf_counter() - start >= 0.1 and emu.slept == pytest.approx(0.1)
+    assert Emulator(ClusterConfig(workers=2, slow=parse_slow("worker:1=3")), "worker", 0).factor == 1.0
