@@ -78,13 +78,14 @@ class _Children:
 
 def launch(argv: Sequence[str], roles: Sequence[RoleSpec], *, env: dict[str, str] | None = None,
            may_fail: Callable[[RoleSpec, int], bool] | None = None, poll: Callable[[], None] | None = None,
-           grace: float = 2.0, sink: TextIO | None = None, time_limit: float | None = None) -> int:
+           grace: float = 2.0, sink: TextIO | None = None, time_limit: float | None = None,
+           on_exit: Callable[[RoleSpec, int], None] | None = None) -> int:
     """Run ``argv`` once per role and wait for all of them.
 
     Each child gets ``env`` plus its role's ``env`` plus ``PLEXUS_ROLE``,
     ``PLEXUS_ROLE_RANK`` and ``PLEXUS_PARENT_PID``. A child whose failure ``may_fail``
     accepts (a worker killed on purpose in a fault-tolerant job, say) does not stop the
-    others. ``poll`` is called about twenty times a second (progress display).
+    others. ``on_exit(spec, status)`` hears of every child that ends. ``poll`` is called about twenty times a second (progress display).
     ``time_limit`` seconds after start every child is stopped and 124 returned.
 
     Returns 0 when every child succeeded, else the first failure's exit status
@@ -131,6 +132,8 @@ def launch(argv: Sequence[str], roles: Sequence[RoleSpec], *, env: dict[str, str
                 if proc.pid in pending and proc.poll() is not None:
                     pending.discard(proc.pid)
                     code = exit_status(proc.returncode)
+                    if on_exit is not None:
+                        on_exit(spec, code)
                     if code != 0 and not (may_fail and may_fail(spec, code)):
                         with lock:
                             sink.write(f"plexus: {spec.name} exited with status {code}; stopping the job\n")

@@ -3,16 +3,21 @@ from __future__ import annotations
 
 from plexus.errors import ConfigError
 from plexus.strategies.allreduce import AllReduceStrategy
-from plexus.strategies.base import Context, Strategy, StepStats
+from plexus.strategies.base import Context, RoleContext, Strategy, StepStats
 
-__all__ = ["STRATEGIES", "create_strategy", "Context", "Strategy", "StepStats"]
+__all__ = ["STRATEGIES", "strategy_class", "create_strategy", "Context", "RoleContext", "Strategy", "StepStats"]
 
 STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (AllReduceStrategy,)}
 
 
-def create_strategy(name: str) -> Strategy:
-    """A new strategy object; ConfigError lists the known strategies otherwise."""
+def strategy_class(name: str) -> type[Strategy]:
+    """The strategy called ``name``; ConfigError lists the known strategies otherwise."""
     try:
-        return STRATEGIES[name]()
+        return STRATEGIES[name]
     except KeyError:
         raise ConfigError(f"unknown strategy {name!r}: choose one of {', '.join(sorted(STRATEGIES))}") from None
+
+
+def create_strategy(name: str) -> Strategy:
+    """A new strategy object of the class called ``name``."""
+    return strategy_class(name)()

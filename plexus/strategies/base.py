@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar
+from pathlib import Path
+from typing import Any, Callable, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -19,7 +20,7 @@ from plexus.cluster.traffic import Traffic
 from plexus.config import JobConfig, OptimConfig
 from plexus.errors import ConfigError
 
-__all__ = ["Strategy", "StepStats", "Context", "LossFn", "make_optimizer"]
+__all__ = ["Strategy", "StepStats", "Context", "RoleContext", "LossFn", "make_optimizer"]
 
 # loss_fn(model, x, y) -> scalar loss (mean over the batch)
 LossFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -56,6 +57,22 @@ class Context:
         return self._workers
 
 
+@dataclass
+class RoleContext:
+    """What a non-worker process (server, aggregator) gets: the same as a worker's
+    context, plus the run directory (None when nothing is written) and the metrics log."""
+
+    info: ProcessInfo
+    store: dist.Store
+    cfg: JobConfig
+    traffic: Traffic
+    emulator: Emulator
+    device: torch.device
+    backend: str
+    run_dir: Path | None
+    log: Any
+
+
 def make_optimizer(params, cfg: OptimConfig) -> torch.optim.Optimizer:
     """The optimizer named by ``cfg`` over ``params``."""
     if cfg.optimizer == "sgd":
@@ -87,10 +104,38 @@ class Strategy(ABC):
     def global_model(self) -> torch.nn.Module | None:
         """The model to evaluate, on the process that holds it (None elsewhere)."""
 
+    # --- roles other than workers (servers, aggregators), run in their own processes ---
+
+    @classmethod
+    def extra_roles(cls, cfg: JobConfig) -> list[tuple[str, int]]:
+        """Processes besides the workers, as (role, count), e.g. [("server", 2)]."""
+        return []
+
+    @classmethod
+    def run_role(cls, role: str, rank: int, ctx: "RoleContext") -> None:
+        """The main loop of a non-worker process; returns when the job is over."""
+        raise NotImplementedError(f"{cls.name} has no role {role!r}")
+
+    @classmethod
+    def tolerates_loss(cls, cfg: JobConfig, role: str, rank: int) -> bool:
+        """True when the job carries on without this process if it dies."""
+        return False
+
+    @classmethod
+    def summary_fields(cls, cfg: JobConfig, records: dict[str, Any]) -> dict[str, Any]:
+        """Strategy-specific summary values from the processes' final records
+        (``records["worker"][r]``, ``records["server"][s]``, ...): e.g. updates_applied,
+        staleness_mean, staleness_max. The default suits synchronous strategies."""
+        return {}
+
     def agree(self, flag: bool) -> bool:
         """True when any worker's ``flag`` is true, known to all of them (used to stop
         together on a time limit or target accuracy)."""
         return flag
+
+    def final_record(self) -> dict[str, Any]:
+        """Extra JSON data this worker adds to its final record (for ``summary_fields``)."""
+        return {}
 
     def close(self) -> None:
         """Release links and threads."""

@@ -19,14 +19,15 @@ from typing import Any, Callable
 import torch
 
 from plexus.cluster.launcher import RoleSpec, launch
-from plexus.cluster.rendezvous import ProcessInfo, connect_store, host_store, new_token
+from plexus.cluster.rendezvous import ProcessInfo, connect_store, host_store, job_namespace, new_token
 from plexus.collectives import get_algorithm
 from plexus.config import JobConfig
 from plexus.errors import ConfigError, JobFailed
-from plexus.strategies import create_strategy
+from plexus.strategies import strategy_class
 from plexus.train.data import load_dataset
 from plexus.train.models import build_model
 from plexus.train.runner import save_dataset, worker_main
+from plexus.train.summary import assemble_summary, collect_records, write_summary
 
 __all__ = ["run", "run_local", "run_torchrun", "prepare_run_dir", "validate"]
 
@@ -36,7 +37,7 @@ logger = logging.getLogger(__name__)
 def validate(cfg: JobConfig):
     """Check names and the model/dataset fit before any process starts; returns the
     loaded dataset so it is read once."""
-    create_strategy(cfg.strategy.strategy)
+    strategy_class(cfg.strategy.strategy)
     get_algorithm(cfg.strategy.algorithm, cfg.strategy)
     data = load_dataset(cfg.data, cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
@@ -82,20 +83,45 @@ def run_local(cfg: JobConfig, poll: Callable[[Path], None] | None = None, sink=N
         env = {**os.environ, "MASTER_ADDR": cfg.cluster.host, "MASTER_PORT": str(store.port),
                "WORLD_SIZE": str(cfg.cluster.workers), "PLEXUS_TOKEN": token,
                "PLEXUS_CONFIG": str(run_dir / "config.json"), "PLEXUS_RUN_DIR": str(run_dir),
-               "PLEXUS_DATA": str(cache), "PYTHONPATH": _python_path(),
+               "PLEXUS_DATA": str(cache), "PYTHONPATH": _python_path(), "PLEXUS_WORKERS": str(cfg.cluster.workers),
                "PLEXUS_DEBUG": "1" if cfg.run.debug else ""}
-        roles = [RoleSpec("worker", r, {"RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(cfg.cluster.workers)]
+        cls = strategy_class(cfg.strategy.strategy)
+        roles = _roles(cfg)
+        lost: dict[str, list[int]] = {}
+
+        def on_exit(spec: RoleSpec, code: int) -> None:
+            if code != 0:
+                lost.setdefault(spec.role, []).append(spec.rank)
+
         # The job's own timeouts end it; this outer limit only catches what they cannot.
         limit = None if cfg.run.time_limit is None else cfg.run.time_limit + 10 * cfg.cluster.timeout
         status = launch([sys.executable, "-m", "plexus.train.process"], roles, env=env,
-                        poll=(lambda: poll(run_dir)) if poll else None, sink=sink, time_limit=limit)
+                        may_fail=lambda spec, code: cls.tolerates_loss(cfg, spec.role, spec.rank),
+                        poll=(lambda: poll(run_dir)) if poll else None, sink=sink, time_limit=limit,
+                        on_exit=on_exit)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
     if status != 0:
         raise JobFailed(f"the job failed (status {status}); see the messages above", exit_code=status)
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = assemble_summary(cfg, collect_records(cfg, _job_store(store, token), lost), lost)
+    write_summary(run_dir, summary)
     _write_report(run_dir)
     return run_dir, summary
+
+
+def _roles(cfg: JobConfig) -> list[RoleSpec]:
+    """Every process of the job: the workers, then the strategy's other roles. Global
+    ranks (RANK) are unique across roles; PLEXUS_ROLE_RANK is the rank within the role."""
+    specs = [RoleSpec("worker", r, {"RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(cfg.cluster.workers)]
+    for role, count in strategy_class(cfg.strategy.strategy).extra_roles(cfg):
+        for r in range(count):
+            specs.append(RoleSpec(role, r, {"RANK": str(len(specs)), "LOCAL_RANK": str(len(specs))}))
+    return specs
+
+
+def _job_store(store, token: str):
+    import torch.distributed as dist
+    return dist.PrefixStore(job_namespace(token), store)
 
 
 def _write_report(run_dir: Path) -> None:
@@ -122,9 +148,16 @@ def run_torchrun(cfg: JobConfig) -> dict[str, Any] | None:
     info = ProcessInfo.from_env()
     if info.world_size != cfg.cluster.workers:
         cfg = cfg.replace(workers=info.world_size)
+    if strategy_class(cfg.strategy.strategy).extra_roles(cfg):
+        raise ConfigError(f"strategy {cfg.strategy.strategy} needs roles besides workers; under torchrun "
+                          f"only workers start: use the local launcher (plexus train) on one machine")
     store = connect_store(info, cfg.cluster.timeout)
-    run_dir = prepare_run_dir(cfg) if info.rank == 0 else (Path(cfg.run.out) if cfg.run.out else None)
-    summary = worker_main(cfg, info, store, run_dir if info.rank == 0 else None)
-    if summary is not None and run_dir is not None:
+    run_dir = prepare_run_dir(cfg) if info.rank == 0 else None
+    worker_main(cfg, info, store, run_dir)
+    if info.rank != 0:
+        return None
+    summary = assemble_summary(cfg, collect_records(cfg, store, wait=cfg.cluster.timeout))
+    if run_dir is not None:
+        write_summary(run_dir, summary)
         _write_report(run_dir)
     return summary

@@ -20,17 +20,18 @@ def main() -> int:
     from plexus.cluster.rendezvous import ProcessInfo, connect_store
     from plexus.config import JobConfig
     from plexus.errors import PlexusError
-    from plexus.train.runner import load_saved_dataset, worker_main
+    from plexus.train.runner import load_saved_dataset, role_main, worker_main
 
     info = ProcessInfo.from_env()
     try:
         cfg = JobConfig.from_dict(json.loads(Path(os.environ["PLEXUS_CONFIG"]).read_text()))
         store = connect_store(info, cfg.cluster.timeout)
-        data = load_saved_dataset(Path(os.environ["PLEXUS_DATA"])) if os.environ.get("PLEXUS_DATA") else None
         run_dir = Path(os.environ["PLEXUS_RUN_DIR"]) if os.environ.get("PLEXUS_RUN_DIR") else None
-        if info.role != "worker":
-            raise PlexusError(f"{info.name}: no such role in this job")
-        worker_main(cfg, info, store, run_dir, data)
+        if info.role == "worker":
+            data = load_saved_dataset(Path(os.environ["PLEXUS_DATA"])) if os.environ.get("PLEXUS_DATA") else None
+            worker_main(cfg, info, store, run_dir, data)
+        else:
+            role_main(cfg, info, store, run_dir)
     except PlexusError as exc:
         if debug:
             logging.exception("%s failed", info.name)

@@ -2,8 +2,8 @@
 
 It loads data and builds the model deterministically (contract 2), picks this worker's
 samples (contract 1), drives the strategy, logs metrics, snapshots the global model for
-evaluation off the clock, stops on steps, epochs, time or target accuracy, and on worker
-0 writes the summary.
+evaluation off the clock, stops on steps, epochs, time or target accuracy, and leaves its
+final record in the store for the summary (``summary.py``).
 """
 from __future__ import annotations
 
@@ -13,24 +13,22 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any
-
 import numpy as np
 import torch
 
 from plexus.cluster.emulation import Emulator
-from plexus.cluster.rendezvous import ProcessInfo, store_barrier, store_get_json, store_set_json, wait_keys
+from plexus.cluster.rendezvous import ProcessInfo, store_barrier, store_set_json, wait_keys
 from plexus.cluster.traffic import Traffic
 from plexus.config import JobConfig
 from plexus.errors import PlexusError
-from plexus.strategies import Context, create_strategy
+from plexus.strategies import Context, RoleContext, create_strategy, strategy_class
 from plexus.train.batches import GlobalBatches, PartitionBatches
 from plexus.train.data import Dataset, load_dataset
 from plexus.train.evaluation import Evaluation, SnapshotEvaluator, evaluate, loss_fn
 from plexus.train.metrics import MetricsLog
 from plexus.train.models import build_model
 
-__all__ = ["worker_main", "NonFiniteLoss", "save_dataset", "load_saved_dataset", "resolve_device",
+__all__ = ["worker_main", "role_main", "NonFiniteLoss", "save_dataset", "load_saved_dataset", "resolve_device",
            "total_steps"]
 
 logger = logging.getLogger(__name__)
@@ -88,8 +86,9 @@ def total_steps(cfg: JobConfig, steps_per_epoch: int) -> int:
 
 
 def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
-                data: Dataset | None = None) -> dict[str, Any] | None:
-    """Train as worker ``info.rank``; returns the summary on worker 0, else None."""
+                data: Dataset | None = None) -> None:
+    """Train as worker ``info.rank``; leaves its final record (and, on the process that
+    evaluates, ``stats/eval``) in the store for the summary."""
     if cfg.cluster.threads:
         torch.set_num_threads(cfg.cluster.threads)
     device, backend = resolve_device(cfg, info.local_rank)
@@ -149,7 +148,6 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
                 if strategy.agree(over or reached):
                     break
         wall = clock()
-        summary = None
         if evaluator is not None:
             evaluator.close()
             final_loss, final_acc = evaluate(holder, data.x_test, data.y_test, device)
@@ -158,55 +156,33 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
                                             accuracy=final_acc, loss=final_loss))
             if run_dir is not None and cfg.run.save_model:
                 torch.save(holder.state_dict(), run_dir / "model.pt")
-        store_set_json(store, f"stats/worker/{rank}",
-                       {"steps": steps_done, "bytes_sent": traffic.bytes_sent, "bytes_recv": traffic.bytes_recv,
-                        "traffic": traffic.snapshot(), "loss": loss, "slept": emulator.slept})
-        if rank == 0:
-            summary = _summarize(cfg, store, workers, wall, steps_done, strategy.synchronous, evaluator,
-                                 final_acc, final_loss)
-            if run_dir is not None:
-                (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        # Nobody may tear down links while others still use them.
-        store_barrier(store, "train/done", workers, cfg.cluster.timeout)
-        return summary
+            store_set_json(store, "stats/eval", {
+                "final_test_accuracy": final_acc, "final_test_loss": final_loss, "steps": steps_done,
+                "wall_seconds": wall, "time_to_target": evaluator.time_to_target,
+                "evaluations": len(evaluator.results), "skipped": evaluator.skipped})
+        store_set_json(store, f"stats/worker/{rank}", {
+            "steps": steps_done, "wall_seconds": wall, "bytes_sent": traffic.bytes_sent,
+            "bytes_recv": traffic.bytes_recv, "traffic": traffic.snapshot(), "loss": loss,
+            "slept": emulator.slept, **strategy.final_record()})
+        if strategy.synchronous:
+            # Nobody may tear down the group while others still use it.
+            store_barrier(store, "train/done", workers, cfg.cluster.timeout)
     finally:
         log.close()
         strategy.close()
 
 
-def _summarize(cfg: JobConfig, store, workers: int, wall: float, steps: int, synchronous: bool,
-               evaluator: SnapshotEvaluator, final_acc: float, final_loss: float) -> dict[str, Any]:
-    keys = [f"stats/worker/{r}" for r in range(workers)]
-    wait_keys(store, keys, cfg.cluster.timeout, "every worker's final statistics")
-    stats = [store_get_json(store, k) for k in keys]
-    if synchronous:
-        samples = steps * cfg.run.batch_size
-    else:
-        samples = sum(s["steps"] for s in stats) * (cfg.run.batch_size // workers)
-    sent = [s["bytes_sent"] for s in stats]
-    return {
-        "strategy": cfg.strategy.strategy,
-        "algorithm": cfg.strategy.algorithm,
-        "workers": workers,
-        "servers": cfg.cluster.servers,
-        "dataset": cfg.data.dataset,
-        "model": cfg.model.model,
-        "steps": steps,
-        "samples": samples,
-        "final_test_accuracy": final_acc,
-        "final_test_loss": final_loss,
-        "wall_seconds": wall,
-        "samples_per_second": samples / wall if wall > 0 else None,
-        "time_to_target_seconds": evaluator.time_to_target,
-        "target_accuracy": cfg.run.target_accuracy,
-        "bytes_sent_total": sum(sent),
-        "bytes_sent_per_worker": sent,
-        "updates_applied": steps,
-        # Synchronous updates are computed on the current model: staleness 0.
-        "staleness_mean": 0.0,
-        "staleness_max": 0,
-        "lost_workers": [],
-        "evaluations": len(evaluator.results),
-        "snapshots_skipped": evaluator.skipped,
-        "final_train_loss": stats[0]["loss"],
-    }
+
+def role_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None) -> None:
+    """Run a non-worker process (server, aggregator) of the job's strategy."""
+    if cfg.cluster.threads:
+        torch.set_num_threads(cfg.cluster.threads)
+    device, backend = resolve_device(cfg, info.local_rank)
+    log = MetricsLog(run_dir)
+    ctx = RoleContext(info=info, store=store, cfg=cfg, traffic=Traffic(),
+                      emulator=Emulator(cfg.cluster, info.role, info.rank), device=device, backend=backend,
+                      run_dir=run_dir, log=log)
+    try:
+        strategy_class(cfg.strategy.strategy).run_role(info.role, info.rank, ctx)
+    finally:
+        log.close()

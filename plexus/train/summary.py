@@ -1,0 +1,89 @@
+"""summary.json, assembled from the final records every process leaves in the store.
+
+Each process writes ``stats/<role>/<rank>`` (JSON) when it finishes; the process that
+evaluates the global model writes ``stats/eval``. The summary is assembled by whoever
+outlives the others: the local launcher (which hosts the store, so the summary survives
+the loss of any worker), or worker 0 under torchrun.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from plexus.cluster.rendezvous import store_get_json, wait_keys
+from plexus.config import JobConfig
+from plexus.strategies import strategy_class
+
+__all__ = ["collect_records", "assemble_summary", "write_summary"]
+
+
+def _present(store, key: str) -> bool:
+    return store.check([key])
+
+
+def collect_records(cfg: JobConfig, store, lost: dict[str, list[int]] | None = None,
+                    wait: float | None = None) -> dict[str, Any]:
+    """The final records of every process that was not lost: {"worker": {r: ...},
+    "server": {...}, ..., "eval": {...}}. With ``wait``, wait that long for the records of
+    live processes (torchrun, where they may still be finishing)."""
+    lost = lost or {}
+    counts = {"worker": cfg.cluster.workers, **dict(strategy_class(cfg.strategy.strategy).extra_roles(cfg))}
+    records: dict[str, Any] = {}
+    for role, count in counts.items():
+        keys = {r: f"stats/{role}/{r}" for r in range(count) if r not in lost.get(role, [])}
+        if wait is not None:
+            wait_keys(store, list(keys.values()), wait, f"the final records of every {role}")
+        records[role] = {r: store_get_json(store, k) for r, k in keys.items() if _present(store, k)}
+    records["eval"] = store_get_json(store, "stats/eval") if _present(store, "stats/eval") else {}
+    return records
+
+
+def assemble_summary(cfg: JobConfig, records: dict[str, Any], lost: dict[str, list[int]] | None = None
+                     ) -> dict[str, Any]:
+    cls = strategy_class(cfg.strategy.strategy)
+    workers = records["worker"]
+    ev = records["eval"]
+    wall = ev.get("wall_seconds") or max((w["wall_seconds"] for w in workers.values()), default=0.0)
+    if cls.synchronous:
+        steps = ev.get("steps", max((w["steps"] for w in workers.values()), default=0))
+        samples = steps * cfg.run.batch_size
+    else:
+        steps = sum(w["steps"] for w in workers.values())
+        samples = steps * (cfg.run.batch_size // cfg.cluster.workers)
+    sent = [workers[r]["bytes_sent"] if r in workers else None for r in range(cfg.cluster.workers)]
+    others = sum(rec["bytes_sent"] for role, recs in records.items() if role not in ("worker", "eval")
+                 for rec in recs.values())
+    summary: dict[str, Any] = {
+        "strategy": cfg.strategy.strategy,
+        "algorithm": cfg.strategy.algorithm,
+        "workers": cfg.cluster.workers,
+        "servers": cfg.cluster.servers,
+        "dataset": cfg.data.dataset,
+        "model": cfg.model.model,
+        "steps": steps,
+        "samples": samples,
+        "final_test_accuracy": ev.get("final_test_accuracy"),
+        "final_test_loss": ev.get("final_test_loss"),
+        "wall_seconds": wall,
+        "samples_per_second": samples / wall if wall else None,
+        "time_to_target_seconds": ev.get("time_to_target"),
+        "target_accuracy": cfg.run.target_accuracy,
+        "bytes_sent_total": sum(b for b in sent if b is not None) + others,
+        "bytes_sent_per_worker": sent,
+        # Synchronous updates are computed on the current model: one update per step,
+        # staleness 0. Asynchronous strategies override these from their servers' records.
+        "updates_applied": steps,
+        "staleness_mean": 0.0,
+        "staleness_max": 0,
+        "lost_workers": sorted((lost or {}).get("worker", [])),
+        "evaluations": ev.get("evaluations", 0),
+        "snapshots_skipped": ev.get("skipped", 0),
+        "emulated_sleep_seconds": [workers[r]["slept"] if r in workers else None
+                                   for r in range(cfg.cluster.workers)],
+    }
+    summary.update(cls.summary_fields(cfg, records))
+    return summary
+
+
+def write_summary(run_dir, summary: dict[str, Any]) -> None:
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
