@@ -222,7 +222,7 @@ class ClusterConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class StrategyConfig:
-    # The distributed architecture: allreduce (others arrive with their issues).
+    # The distributed architecture: allreduce, ps, tree-ps, gossip, local-sgd, easgd.
     strategy: str = "allreduce"
     # The all-reduce algorithm, for strategies that average tensors.
     algorithm: str = "native"
@@ -232,9 +232,69 @@ class StrategyConfig:
     # Ranks per group for the hierarchical all-reduce (hier); 0 means ranks per machine.
     local_size: int = 0
 
+    # --- parameter server (ps, tree-ps) ---
+    # When the servers apply pushes: bsp (average all live workers' pushes per clock),
+    # asp (each on arrival), ssp (asp, but no worker runs more than `staleness` clocks
+    # ahead of the slowest), softsync (average every `softsync` pushes).
+    consistency: Literal["bsp", "asp", "ssp", "softsync"] = "asp"
+    # SSP bound T in clocks (0 behaves as bsp).
+    staleness: int = 0
+    # Pushes averaged per update under softsync (Rudra's n); 0 means the number of workers.
+    softsync: int = 0
+    # Pull parameters every this many steps (DistBelief's n_fetch).
+    fetch_every: int = 1
+    # Push the accumulated gradient every this many steps (DistBelief's n_push).
+    push_every: int = 1
+    # Divide each push's learning rate by its staleness (Zhang et al. 2016).
+    staleness_lr: bool = False
+    # Tree PS: children per aggregator, and the Rudra variant.
+    fanout: int = 2
+    variant: Literal["base", "adv", "adv-star"] = "adv"
+
+    # --- decentralized and model averaging (gossip, local-sgd, easgd) ---
+    # Gossip graph: ring, torus, exp (peers at distances 1, 2, 4, ...), complete.
+    topology: Literal["ring", "torus", "exp", "complete"] = "ring"
+    # Mixing weights: uniform over neighbours and self, or Metropolis-Hastings.
+    mixing: Literal["uniform", "metropolis"] = "uniform"
+    # combine-first: mix while computing the gradient at the own parameters (Lian et al.
+    # 2017, Algorithm 1); adapt-first: local step, then mix the updated parameters.
+    gossip_order: Literal["combine-first", "adapt-first"] = "combine-first"
+    # Asynchronous pairwise gossip (AD-PSGD, Lian et al. 2018).
+    async_gossip: bool = False
+    # Local steps between averagings (local-sgd), or between elastic pulls (easgd).
+    period: int = 1
+    # AdaComm (Wang and Joshi 2019): shrink the period as the training loss falls.
+    adaptive: bool = False
+    # Also average momentum and Adam buffers when averaging parameters.
+    average_optimizer_state: bool = False
+    # Synchronous all-reduce steps before local SGD starts (post-local SGD).
+    warmup_steps: int = 0
+    # EASGD moving rate alpha = lr * rho: the elastic force's weight per pull.
+    elastic_alpha: float = 0.1
+
     def __post_init__(self) -> None:
         _require(self.bucket_mb > 0, "bucket_mb", "must be positive MiB", self.bucket_mb, "pass --bucket-mb 25")
         _require(self.local_size >= 0, "local_size", "must be non-negative", self.local_size, "pass --local-size 2")
+        _require(self.consistency in ("bsp", "asp", "ssp", "softsync"), "consistency",
+                 "must be bsp, asp, ssp or softsync", self.consistency, "pass --consistency asp")
+        _require(self.staleness >= 0, "staleness", "must be non-negative clocks", self.staleness, "pass --staleness 2")
+        _require(self.softsync >= 0, "softsync", "must be non-negative", self.softsync, "pass --softsync 2")
+        _require(self.fetch_every >= 1, "fetch_every", "must be at least 1", self.fetch_every, "pass --fetch-every 1")
+        _require(self.push_every >= 1, "push_every", "must be at least 1", self.push_every, "pass --push-every 1")
+        _require(self.fanout >= 2, "fanout", "must be at least 2", self.fanout, "pass --fanout 2")
+        _require(self.variant in ("base", "adv", "adv-star"), "variant", "must be base, adv or adv-star",
+                 self.variant, "pass --variant adv")
+        _require(self.topology in ("ring", "torus", "exp", "complete"), "topology",
+                 "must be ring, torus, exp or complete", self.topology, "pass --topology ring")
+        _require(self.mixing in ("uniform", "metropolis"), "mixing", "must be uniform or metropolis",
+                 self.mixing, "pass --mixing uniform")
+        _require(self.gossip_order in ("combine-first", "adapt-first"), "gossip_order",
+                 "must be combine-first or adapt-first", self.gossip_order, "pass --gossip-order combine-first")
+        _require(self.period >= 1, "period", "must be at least 1 step", self.period, "pass --period 8")
+        _require(self.warmup_steps >= 0, "warmup_steps", "must be non-negative", self.warmup_steps,
+                 "pass --warmup-steps 0")
+        _require(0 < self.elastic_alpha <= 1, "elastic_alpha", "must lie in (0, 1]", self.elastic_alpha,
+                 "pass --elastic-alpha 0.1")
 
 
 @dataclass(kw_only=True, frozen=True)

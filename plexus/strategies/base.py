@@ -104,6 +104,11 @@ class Strategy(ABC):
     def global_model(self) -> torch.nn.Module | None:
         """The model to evaluate, on the process that holds it (None elsewhere)."""
 
+    @classmethod
+    def check_config(cls, cfg: JobConfig) -> None:
+        """Raise ConfigError for combinations this strategy cannot run (called before any
+        process starts)."""
+
     # --- roles other than workers (servers, aggregators), run in their own processes ---
 
     @classmethod

@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 def validate(cfg: JobConfig):
     """Check names and the model/dataset fit before any process starts; returns the
     loaded dataset so it is read once."""
-    strategy_class(cfg.strategy.strategy)
+    strategy_class(cfg.strategy.strategy).check_config(cfg)
     get_algorithm(cfg.strategy.algorithm, cfg.strategy)
     data = load_dataset(cfg.data, cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
