@@ -1,0 +1,147 @@
+"""Every all-reduce algorithm against the exact sum, its counters against cost.py, and its
+behaviour with mismatched arguments; one spawn of P processes per P (tests/collective_fns)."""
+from __future__ import annotations
+
+import pytest
+
+from plexus.cluster.spawn import spawn
+from plexus.collectives import ALGORITHMS
+from plexus.collectives.check import TAG_CHECK
+from plexus.collectives.cost import cost
+from plexus.collectives.trace import steps
+
+PROCS = [1, 2, 3, 4, 5, 7, 8]
+BIG = 1_000_000
+COUNTER_LENGTH = 840  # divisible by every P tested: every message non-empty
+
+_RUNS: dict[int, list[dict]] = {}
+
+
+def run(procs: int) -> list[dict]:
+    """The suite's results on every rank, spawned once per P."""
+    if procs not in _RUNS:
+        lengths = sorted({1, max(procs - 1, 1), procs + 1, 0})
+        big_dtypes = ["float32", "float64", "float16", "bfloat16"] if procs in (1, 2, 4, 8) else ["float32"]
+        _RUNS[procs] = spawn("collective_fns:suite", procs,
+                             {"lengths": lengths, "big": BIG, "big_dtypes": big_dtypes,
+                              "counter_length": COUNTER_LENGTH},
+                             timeout=240, comm_timeout=60, env={"PYTHONPATH": "tests"})
+    return _RUNS[procs]
+
+
+def test_every_algorithm_is_registered():
+    assert set(ALGORITHMS) == {"master", "ps", "rhd", "ring", "dbtree", "hier", "native", "auto"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("procs", PROCS)
+def test_exact_sum_every_algorithm_dtype_and_length(procs):
+    results = run(procs)
+    rows = results[0]["sums"]
+    names = {row["algorithm"] for row in rows}
+    assert set(ALGORITHMS) <= names
+    for rank, result in enumerate(results):
+        bad = [row for row in result["sums"] if row["excess"] > 0 or not row["same_dtype"]]
+        assert not bad, f"rank {rank}: {bad[:3]}"
+    # Every rank ends with the very same bits (replicas stay identical).
+    for i, row in enumerate(rows):
+        digests = {result["sums"][i]["digest"] for result in results}
+        assert len(digests) == 1, f"ranks differ: {row}"
+    covered = {(row["algorithm"], row["dtype"]) for row in rows if row["n"] == BIG}
+    assert {(name, "float32") for name in ALGORITHMS} <= covered
+    assert {row["op"] for row in rows} == {"sum", "mean"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("procs", PROCS)
+def test_async_handles(procs):
+    for rank, result in enumerate(run(procs)):
+        assert all(result["handles"].values()), f"rank {rank}: {result['handles']}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("procs", [p for p in PROCS if p > 1])
+def test_mismatch_raises_protocol_error_everywhere(procs):
+    last = procs - 1
+    for rank, result in enumerate(run(procs)):
+        for name, row in result["mismatches"].items():
+            assert f"worker {last}: 11 float32 elements" in row["length"], (rank, name, row["length"])
+            assert "10 float32 elements" in row["length"], (rank, name)
+            assert "worker 0: 10 float64 elements" in row["dtype"], (rank, name, row["dtype"])
+            assert row["length_peer"] == f"worker {last}" and row["dtype_peer"] == "worker 1"
+            assert row["length_seconds"] < 10 and row["dtype_seconds"] < 10, (name, row)
+            assert row["after"] == [float(procs)] * 5, (name, row["after"])  # the group still works
+
+
+def _model(name: str, row: dict, procs: int, n: int):
+    base = name.split(":")[0]
+    kwargs = {}
+    if base == "hier":
+        kwargs = {"local_size": row["local_size"], "inner": row["inner"]}
+    if base == "dbtree":
+        kwargs = {"chunk_bytes": row["chunk_bytes"]}
+    if base == "auto":
+        return cost(row["choice"], procs, 4 * n)
+    return cost(base, procs, 4 * n, **kwargs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("procs", PROCS)
+def test_counters_equal_cost_model(procs):
+    """Traffic counters equal cost.py's bytes per rank (plus the check's), exactly."""
+    results = run(procs)
+    for name in results[0]["counters"]:
+        model = _model(name, results[0]["counters"][name], procs, COUNTER_LENGTH)
+        measured = [result["counters"][name]["bytes"] for result in results]
+        assert measured == [b + model.check_bytes for b in model.sent], (name, measured, model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("procs", PROCS)
+def test_measured_steps_equal_cost_model(procs):
+    """The longest chain of messages equals cost.py's steps; the check's own steps apart."""
+    results = run(procs)
+    for name in results[0]["counters"]:
+        model = _model(name, results[0]["counters"][name], procs, COUNTER_LENGTH)
+        logs = [result["counters"][name]["log"] for result in results]
+        if name == "native" and procs > 1:
+            assert steps(logs) is None  # the backend's messages are not visible
+            continue
+        assert steps(logs, ignore_tags=[TAG_CHECK]) == model.steps, name
+        check_only = [{"sends": [s for s in log["sends"] if s[1] == TAG_CHECK],
+                       "recvs": [r for r in log["recvs"] if r[1] == TAG_CHECK]} for log in logs]
+        assert steps(check_only) == model.check_steps, name
+
+
+def test_bench_sizes_parse():
+    from plexus.bench.collectives import parse_size
+    from plexus.errors import ConfigError
+
+    assert [parse_size(s) for s in ("4096", "4KB", "1MB", "1.5MiB", "64M")] == [4096, 4096, 1 << 20, 3 << 19, 64 << 20]
+    with pytest.raises(ConfigError, match="--sizes"):
+        parse_size("4XB")
+
+
+@pytest.mark.slow
+def test_bench_json_rows(capsys):
+    import argparse
+    import json
+
+    from plexus.bench import collectives
+
+    parser = argparse.ArgumentParser()
+    collectives.add_arguments(parser)
+    args = parser.parse_args(["--procs", "2", "--sizes", "4KB,64KB", "--reps", "2", "--warmup", "1", "--json"])
+    assert collectives.main(args) == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    keys = {"algorithm", "procs", "bytes", "seconds", "algbw_gbps", "busbw_gbps", "sent_bytes_max",
+            "model_sent_bytes_max", "steps", "model_steps", "vs_native"}
+    assert len(rows) == 2 * (len(ALGORITHMS) + 1)  # every algorithm and the raw backend, per size
+    for row in rows:
+        assert keys <= set(row), row
+        assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"])  # 2(P-1)/P = 1 at P = 2
+        if row["algorithm"] not in ("backend",):
+            assert row["sent_bytes_max"] == row["model_sent_bytes_max"], row
+        if row["algorithm"] not in ("backend", "native"):
+            assert row["steps"] == row["model_steps"], row
+    assert {row["vs_native"] for row in rows if row["algorithm"] == "native"} == {1.0}
