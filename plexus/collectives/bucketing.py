@@ -6,6 +6,14 @@ parameter's ``.grad`` is a view into its bucket, so autograd accumulates straigh
 buffer and nothing is copied before or after communication. When the last gradient of a
 bucket is accumulated, the bucket's all-reduce starts; buckets start strictly in index
 order on every rank, which keeps the point-to-point algorithms' messages paired.
+
+The last bucket is the exception: it starts in ``finish()``, right after backward. It
+can only start once every other bucket has, i.e. once every gradient has been computed,
+so there is nothing left to overlap it with, and the launcher may run it in the caller's
+thread instead of handing it to a communication thread and waiting for it: two thread
+hand-offs saved per step, a large share of a small model's step on a busy machine (with
+one bucket, the whole all-reduce). Starting it after backward rather than inside the
+last hook also keeps communication out of the backward pass that ``--slow`` stretches.
 """
 from __future__ import annotations
 
@@ -33,12 +41,14 @@ class _Bucket:
 class GradientBuckets:
     """Owns the gradient buffers of ``params`` and reduces them with ``launch``.
 
-    ``launch(buffer) -> Handle`` starts an in-place all-reduce (mean) of one bucket.
-    Use: ``zero()`` before the backward pass, ``finish()`` after it.
+    ``launch(buffer, last) -> Handle`` starts an in-place all-reduce (mean) of one bucket;
+    ``last`` is true for the last bucket, started by ``finish()`` once backward is over
+    (it may complete before returning). Use: ``zero()`` before the backward pass,
+    ``finish()`` after it.
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], bucket_bytes: int,
-                 launch: Callable[[torch.Tensor], Handle]) -> None:
+                 launch: Callable[[torch.Tensor, bool], Handle]) -> None:
         self._launch = launch
         self.buckets: list[_Bucket] = []
         current: list[torch.nn.Parameter] = []
@@ -55,7 +65,9 @@ class GradientBuckets:
             self.buckets.append(_Bucket(current))
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
         self._handles: list[Handle] = []
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for b in self.buckets for p in b.params]
+        # The last bucket starts in finish(), so its parameters need no hook (one bucket: none).
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
+                       for b in self.buckets[:-1] for p in b.params]
         self._ready = [False] * len(self.buckets)
         self._next = 0
 
@@ -77,13 +89,16 @@ class GradientBuckets:
             self._launch_ready()
 
     def _launch_ready(self, force: bool = False) -> None:
-        while self._next < len(self.buckets) and (force or self._ready[self._next]):
-            self._handles.append(self._launch(self.buckets[self._next].buffer))
+        last = len(self.buckets) - 1
+        while self._next < last and (force or self._ready[self._next]):
+            self._handles.append(self._launch(self.buckets[self._next].buffer, False))
             self._next += 1
 
     def finish(self) -> None:
-        """Start the buckets whose parameters got no gradient, then wait for all."""
+        """Start the buckets whose parameters got no gradient and the last one, then wait for all."""
         self._launch_ready(force=True)
+        if self.buckets:
+            self._handles.append(self._launch(self.buckets[-1].buffer, True))
         for handle in self._handles:
             handle.wait()
         self._handles = []
