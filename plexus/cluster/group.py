@@ -15,7 +15,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -63,7 +63,7 @@ class Work:
     """Handle of an asynchronous send, receive or collective; ``wait`` applies the timeout."""
 
     def __init__(self, work: dist.Work | None, endpoint: "Endpoint", what: str, peer: str,
-                 on_done: "callable | None" = None) -> None:
+                 on_done: Callable[[], None] | None = None) -> None:
         self._work = work
         self._endpoint = endpoint
         self._what = what
