@@ -3,6 +3,7 @@
     plexus train   [flags]            train one job, write a run directory
     plexus compare SPEC... [flags]    run several strategies on the same model, data and seed
     plexus report  DIR... [--out D]   plots and index.html from run directories
+    plexus worker  --join HOST:PORT   one more worker for a running ps job
     plexus bench   ddp|collectives    benchmarks that print tables
 
 Errors print one line on stderr: status 2 for usage and configuration, non-zero
@@ -116,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="plots and index.html from run directories")
     report.add_argument("dirs", nargs="+", metavar="DIR")
     report.add_argument("--out", default=None, help="output folder (default: the run directory)")
+    worker = sub.add_parser("worker", help="join a running job as one more worker (token from PLEXUS_TOKEN)")
+    worker.add_argument("--join", required=True, metavar="HOST:PORT", help="the job's rendezvous store")
+    worker.add_argument("--timeout", type=float, default=60.0, help="seconds any blocking operation waits (default 60)")
+    worker.add_argument("--debug", action="store_true", help="verbose logs and tracebacks")
     bench = sub.add_parser("bench", help="benchmarks that print tables")
     which = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
     from plexus.bench import BENCHMARKS
@@ -294,11 +299,45 @@ def _print_compare(rows) -> None:
         table.add_column(col, justify="right" if col != "spec" else "left")
     for spec, _, s in rows:
         ttt = s.get("time_to_target_seconds")
-        per = s["bytes_sent_per_worker"]
-        table.add_row(spec, f"{100 * s['final_test_accuracy']:.2f}%", f"{s['wall_seconds']:.2f}",
+        # Lost workers have no byte count (None): average over those that reported.
+        per = [b for b in s["bytes_sent_per_worker"] if b is not None]
+        acc = s.get("final_test_accuracy")
+        table.add_row(spec, "–" if acc is None else f"{100 * acc:.2f}%", f"{s['wall_seconds']:.2f}",
                       f"{s['samples_per_second']:,.0f}", "–" if ttt is None else f"{ttt:.2f}",
                       f"{sum(per) / max(len(per), 1) / 1e6:.2f}")
     Console().print(table)
+
+
+def _worker(args: argparse.Namespace) -> int:
+    """``plexus worker --join HOST:PORT``: one more worker for a running ``ps`` job. It reads
+    the job's configuration from the store, takes the next free rank, and trains as the
+    job's workers do, from the current weights."""
+    from plexus.cluster.rendezvous import ProcessInfo, connect_store
+    from plexus.config import JobConfig
+    from plexus.errors import ConfigError
+    from plexus.strategies.downpour import DownpourStrategy
+    from plexus.train.data import load_dataset
+    from plexus.train.runner import worker_main
+    host, _, port = args.join.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--join must be HOST:PORT, got {args.join!r}: pass the address of the job's store, "
+                          f"e.g. --join 127.0.0.1:29500")
+    token = os.environ.get("PLEXUS_TOKEN")
+    if not token:
+        raise ConfigError("PLEXUS_TOKEN is not set: a worker that joins needs the job's token; export the "
+                          "PLEXUS_TOKEN the job was started with")
+    probe = ProcessInfo(role="worker", rank=-1, world_size=0, master_addr=host, master_port=int(port), token=token)
+    store = connect_store(probe, args.timeout)
+    record = DownpourStrategy.job_record(store, args.timeout)
+    cfg = JobConfig.from_dict(record["config"])
+    rank = DownpourStrategy.admit(store, cfg)
+    info = ProcessInfo(role="worker", rank=rank, world_size=cfg.cluster.workers, master_addr=host,
+                       master_port=int(port), token=token)
+    run_dir = Path(record["run_dir"]) if record["run_dir"] and Path(record["run_dir"]).is_dir() else None
+    print(f"plexus: joined the job at {args.join} as worker {rank}", file=sys.stderr)
+    worker_main(cfg, info, store, run_dir, load_dataset(cfg.data, cfg.run.seed))
+    print(f"plexus: worker {rank} finished", file=sys.stderr)
+    return 0
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -321,6 +360,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _train(args)
         if args.command == "compare":
             return _compare(args)
+        if args.command == "worker":
+            return _worker(args)
         if args.command == "report":
             return _report(args)
         if args.command == "bench":

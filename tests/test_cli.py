@@ -41,7 +41,7 @@ def busy_port():
     s.close()
 
 
-@pytest.mark.parametrize("args, needle", [
+BAD_INPUT = [
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["--strategy", "nope"], "unknown strategy 'nope'"),
     (["--algorithm", "nope"], "unknown all-reduce algorithm 'nope'"),
@@ -55,8 +55,23 @@ def busy_port():
     (["--slow", "worker:9=2"], "must name an existing worker"),
     (["--model", "lm"], "lm"),
     (["--steps", "ten"], "invalid int value"),
-])
-def test_bad_input_is_one_line_and_status_2(args, needle):
+]
+
+
+@pytest.mark.parametrize("args, needle", BAD_INPUT)
+def test_bad_input_is_one_line_and_status_2(args, needle, capsys):
+    """In-process (the same main() the console script calls), to spare a torch import per case."""
+    from plexus.cli import main
+    try:
+        status = main(["train", *args])
+    except SystemExit as exc:  # argparse's own usage errors exit from inside the parser
+        status = exc.code
+    err = capsys.readouterr().err
+    assert_usage_error(subprocess.CompletedProcess([], status, "", err), needle)
+
+
+@pytest.mark.parametrize("args, needle", [BAD_INPUT[0], BAD_INPUT[4]])
+def test_bad_input_through_the_console_script(args, needle):
     assert_usage_error(plexus_cli("train", *args), needle)
 
 

@@ -12,6 +12,7 @@ __all__ = ["BENCHMARKS"]
 _ALL = {
     "ddp": ("samples/s of the allreduce strategy against DistributedDataParallel", "plexus.bench.ddp"),
     "collectives": ("time and bandwidth of every all-reduce algorithm against native", "plexus.bench.collectives"),
+    "ps": ("push-pull rate of the parameter server against torch.distributed.rpc", "plexus.bench.ps"),
 }
 
 # name -> (one-line summary, module)

@@ -4,10 +4,14 @@ from __future__ import annotations
 from plexus.errors import ConfigError
 from plexus.strategies.allreduce import AllReduceStrategy
 from plexus.strategies.base import Context, RoleContext, Strategy, StepStats
+from plexus.strategies.downpour import DownpourStrategy
+from plexus.strategies.easgd import EasgdStrategy
+from plexus.strategies.gossip import GossipStrategy
+from plexus.strategies.local_sgd import LocalSgdStrategy
 
 __all__ = ["STRATEGIES", "strategy_class", "create_strategy", "Context", "RoleContext", "Strategy", "StepStats"]
 
-STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (AllReduceStrategy,)}
+STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (AllReduceStrategy, DownpourStrategy, GossipStrategy, LocalSgdStrategy, EasgdStrategy)}
 
 
 def strategy_class(name: str) -> type[Strategy]:

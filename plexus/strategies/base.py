@@ -20,7 +20,7 @@ from plexus.cluster.traffic import Traffic
 from plexus.config import JobConfig, OptimConfig
 from plexus.errors import ConfigError
 
-__all__ = ["Strategy", "StepStats", "Context", "RoleContext", "LossFn", "make_optimizer"]
+__all__ = ["Strategy", "StepStats", "ProcessContext", "Context", "RoleContext", "LossFn", "make_optimizer"]
 
 # loss_fn(model, x, y) -> scalar loss (mean over the batch)
 LossFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -35,8 +35,8 @@ class StepStats:
 
 
 @dataclass
-class Context:
-    """What a strategy may use: who it is, the job's store, config, counters, emulation."""
+class ProcessContext:
+    """Who this process is, the job's store and config, its counters and emulation."""
 
     info: ProcessInfo
     store: dist.Store
@@ -45,6 +45,12 @@ class Context:
     emulator: Emulator
     device: torch.device
     backend: str
+
+
+@dataclass
+class Context(ProcessContext):
+    """What a worker's strategy may use."""
+
     _workers: Group | None = field(default=None, repr=False)
 
     def worker_group(self) -> Group:
@@ -58,17 +64,10 @@ class Context:
 
 
 @dataclass
-class RoleContext:
-    """What a non-worker process (server, aggregator) gets: the same as a worker's
-    context, plus the run directory (None when nothing is written) and the metrics log."""
+class RoleContext(ProcessContext):
+    """What a non-worker process (server, aggregator) gets: the run directory (None when
+    nothing is written) and the metrics log besides the process context."""
 
-    info: ProcessInfo
-    store: dist.Store
-    cfg: JobConfig
-    traffic: Traffic
-    emulator: Emulator
-    device: torch.device
-    backend: str
     run_dir: Path | None
     log: Any
 
@@ -137,6 +136,27 @@ class Strategy(ABC):
         """True when any worker's ``flag`` is true, known to all of them (used to stop
         together on a time limit or target accuracy)."""
         return flag
+
+    def replica(self) -> torch.nn.Module | None:
+        """This worker's own model where it differs from ``global_model()`` (decentralized
+        strategies keep one replica per worker). Worker 0's is evaluated as well, and its
+        eval events are labelled ``model: "worker0"``."""
+        return None
+
+    def prepare_snapshot(self, final: bool = False) -> dict[str, Any]:
+        """Make ``global_model()`` current before it is read. Called on every worker at
+        each snapshot step (``--eval-every``) and once more after the last step with
+        ``final=True``, so strategies whose global model is an average of replicas may
+        compute it here with a collective. Returns values to log with the snapshot (a
+        ``strategy`` event), e.g. the consensus distance; {} logs nothing."""
+        return {}
+
+    def final_model(self, rank: int) -> torch.nn.Module | None:
+        """The finished global model on the one worker that evaluates it for the summary,
+        None on the others; called once after the training loop. The default is worker 0's
+        ``global_model()``. Strategies that outlive worker 0 pick a survivor instead (and may
+        wait here for the other workers to finish)."""
+        return self.global_model() if rank == 0 else None
 
     def final_record(self) -> dict[str, Any]:
         """Extra JSON data this worker adds to its final record (for ``summary_fields``)."""

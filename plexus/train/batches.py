@@ -51,7 +51,10 @@ class PartitionBatches:
     def __init__(self, n: int, share: int, seed: int, rank: int, workers: int) -> None:
         owned = _permutation(n, seed, -1)
         size = n // workers
-        self.partition = owned[rank * size: (rank + 1) * size]
+        # A worker that joins a running job (rank >= workers) shares partition rank mod
+        # workers, walked in its own order.
+        part = rank % workers
+        self.partition = owned[part * size: (part + 1) * size]
         if share > len(self.partition):
             raise ConfigError(f"batch_size / workers ({share}) exceeds a worker's partition "
                               f"({len(self.partition)} samples): pass a smaller --batch-size")

@@ -14,6 +14,9 @@ Events:
   the evaluation of a snapshot of the global model taken at ``time`` (training clock at the
   moment of the snapshot, not of the evaluation); ``model`` is ``"global"`` or names a
   worker's own replica (``"worker0"``).
+- ``{"event": "strategy", "time", "worker", "step", ...}``: values a strategy reports at
+  each snapshot and once after the last step (``Strategy.prepare_snapshot``), e.g.
+  gossip's and local SGD's ``consensus_distance``.
 - ``{"event": "staleness_histogram", "time", "counts"}``: ``counts[k]`` is the number of
   updates applied with staleness k.
 

@@ -122,6 +122,12 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
     evaluator = None
     if holder is not None and rank == 0:
         evaluator = SnapshotEvaluator(holder, data.x_test, data.y_test, device, log, cfg.run.target_accuracy)
+    # Decentralized strategies: worker 0's own replica is evaluated besides the global model.
+    replica = strategy.replica() if evaluator is not None else None
+    replica_eval = None
+    if replica is not None:
+        replica_eval = SnapshotEvaluator(replica, data.x_test, data.y_test, device, log, None,
+                                         model_label=f"worker{rank}")
     must_agree = cfg.run.time_limit is not None or cfg.run.target_accuracy is not None
     steps_done, loss = 0, float("nan")
     samples_per_step = cfg.run.batch_size if strategy.synchronous else share
@@ -140,32 +146,57 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
             if steps_done % cfg.run.log_every == 0 or steps_done == limit:
                 log.log("train", time=clock(), worker=rank, step=steps_done, loss=loss, samples=samples,
                         bytes_sent=traffic.bytes_sent, bytes_recv=traffic.bytes_recv, staleness=stats.staleness)
-            if evaluator is not None and cfg.run.eval_every and steps_done % cfg.run.eval_every == 0:
-                evaluator.submit(holder, steps_done, clock(), samples)
+            if cfg.run.eval_every and steps_done % cfg.run.eval_every == 0:
+                now = clock()
+                fields = strategy.prepare_snapshot()  # on every worker: it may be a collective
+                if evaluator is not None:
+                    evaluator.submit(holder, steps_done, now, samples)
+                if replica_eval is not None:
+                    replica_eval.submit(replica, steps_done, now, samples)
+                if fields:
+                    log.log("strategy", time=now, worker=rank, step=steps_done, **fields)
             if must_agree and steps_done % cfg.run.log_every == 0:
                 over = cfg.run.time_limit is not None and clock() >= cfg.run.time_limit
                 reached = evaluator is not None and evaluator.reached.is_set()
                 if strategy.agree(over or reached):
                     break
         wall = clock()
+        fields = strategy.prepare_snapshot(final=True)
+        if fields:
+            log.log("strategy", time=wall, worker=rank, step=steps_done, **fields)
+        # The strategy names the worker that evaluates the final model (worker 0 unless it
+        # may be lost); it may wait here for the other workers to finish.
+        final = strategy.final_model(rank)
+        replica_acc = replica_loss = None
+        if replica_eval is not None:
+            replica_eval.close()
+            replica_loss, replica_acc = evaluate(replica, data.x_test, data.y_test, device)
+            if not replica_eval.results or replica_eval.results[-1].step != steps_done:
+                replica_eval.record(Evaluation(step=steps_done, time=wall, samples=steps_done * samples_per_step,
+                                               accuracy=replica_acc, loss=replica_loss))
+        if final is not None and evaluator is None:
+            evaluator = SnapshotEvaluator(final, data.x_test, data.y_test, device, log, cfg.run.target_accuracy)
         if evaluator is not None:
             evaluator.close()
-            final_loss, final_acc = evaluate(holder, data.x_test, data.y_test, device)
+        if final is not None:
+            final_loss, final_acc = evaluate(final, data.x_test, data.y_test, device)
             if not evaluator.results or evaluator.results[-1].step != steps_done:
                 evaluator.record(Evaluation(step=steps_done, time=wall, samples=steps_done * samples_per_step,
                                             accuracy=final_acc, loss=final_loss))
             if run_dir is not None and cfg.run.save_model:
-                torch.save(holder.state_dict(), run_dir / "model.pt")
+                torch.save(final.state_dict(), run_dir / "model.pt")
             store_set_json(store, "stats/eval", {
                 "final_test_accuracy": final_acc, "final_test_loss": final_loss, "steps": steps_done,
                 "wall_seconds": wall, "time_to_target": evaluator.time_to_target,
-                "evaluations": len(evaluator.results), "skipped": evaluator.skipped})
+                "evaluations": len(evaluator.results), "skipped": evaluator.skipped,
+                "replica_test_accuracy": replica_acc, "replica_test_loss": replica_loss})
         store_set_json(store, f"stats/worker/{rank}", {
             "steps": steps_done, "wall_seconds": wall, "bytes_sent": traffic.bytes_sent,
             "bytes_recv": traffic.bytes_recv, "traffic": traffic.snapshot(), "loss": loss,
             "slept": emulator.slept, **strategy.final_record()})
-        if strategy.synchronous:
-            # Nobody may tear down the group while others still use it.
+        if strategy.synchronous and not strategy.tolerates_loss(cfg, "worker", rank):
+            # Nobody may tear down the group while others still use it (a strategy that
+            # outlives lost workers has no such group, and its survivors cannot wait for all).
             store_barrier(store, "train/done", workers, cfg.cluster.timeout)
     finally:
         log.close()

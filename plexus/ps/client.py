@@ -1,0 +1,306 @@
+"""A worker's side of the parameter servers: one Link per server, all of them at once.
+
+Every operation addresses every shard (a push with an empty slice still carries the
+worker's clock, which the consistency gates of every shard need). For each shard the
+client posts the header, the payloads and the receives of the reply together, and only
+then waits, so the S transfers overlap (Li et al. 2014: a worker talks to the server
+group, each server handling its key range).
+
+``versions[s]`` is the version of shard s held locally (from the last pull); a push
+carries the version its gradient was computed on, from which the server measures its
+staleness. ``acks[s]`` counts the pushes shard s acknowledged.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from plexus.cluster.group import Link, Work
+from plexus.cluster.traffic import Traffic
+from plexus.config import NetSpec
+from plexus.errors import ConfigError, PeerLost, ProtocolError
+from plexus.ps.protocol import HEADER_LEN, Header, Op, Status, check_reply, decode, dtype_code, encode
+from plexus.ps.server import KEYS, VNODES
+from plexus.ps.sharding import HashRing, RangeSharding
+
+__all__ = ["PSClient", "Reply", "Heartbeat"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Request:
+    header: Header
+    payloads: list[torch.Tensor] = field(default_factory=list)
+    into: list[torch.Tensor] = field(default_factory=list)   # receive buffers of the reply's payloads
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What every shard answered to one call."""
+
+    headers: list[Header]
+
+    def staleness(self) -> float | None:
+        """Mean staleness of the push this answered, over the shards that know it."""
+        known = [h.staleness - 1 for h in self.headers if h.staleness > 0]
+        return sum(known) / len(known) if known else None
+
+
+class PSClient:
+    """Worker ``rank``'s connection to ``servers`` servers holding a model of ``numel``
+    dense elements (and a sparse table of ``rows`` x ``width``)."""
+
+    def __init__(self, store: dist.Store, rank: int, servers: int, *, numel: int, dtype: torch.dtype,
+                 rows: int = 0, width: int = 0, traffic: Traffic, timeout: float, net: NetSpec | None = None) -> None:
+        self.store, self.rank, self.servers = store, rank, servers
+        self.me = f"worker {rank}"
+        self.numel, self.dtype, self.rows, self.width = numel, dtype, rows, width
+        self.traffic, self.timeout, self.net = traffic, timeout, net
+        self.sharding = RangeSharding(numel, servers)
+        self.ring = HashRing(servers, VNODES) if rows else None
+        self.links: list[Link] = []
+        self.versions = [0] * servers
+        self.acks = [0] * servers
+        self.bases = [0] * servers
+        self._rx = [torch.empty(HEADER_LEN, dtype=torch.int64) for _ in range(servers)]
+        self._owned: list[torch.Tensor] | None = None
+
+    # --- layout -----------------------------------------------------------------------
+
+    def owned(self, server: int) -> torch.Tensor:
+        """The sorted sparse keys ``server`` owns."""
+        if self._owned is None:
+            self._owned = [self.ring.keys_of(s, self.rows) if self.ring else torch.empty(0, dtype=torch.int64)
+                           for s in range(self.servers)]
+        return self._owned[server]
+
+    def split_keys(self, keys: torch.Tensor) -> list[torch.Tensor]:
+        """``keys`` (sorted, unique) by owning server, each part still sorted."""
+        if self.ring is None or not len(keys):
+            return [keys[:0] for _ in range(self.servers)]
+        owners = self.ring.owners(keys)
+        return [keys[owners == s] for s in range(self.servers)]
+
+    def _header(self, op: Op, server: int, clock: int = 0, version: int = 0, keys: int = 0) -> Header:
+        start, stop = self.sharding.range(server)
+        return Header(op=op, sender=self.rank, shard=server, clock=clock, version=version, offset=start,
+                      count=stop - start, keys=keys, width=self.width if keys else 0, dtype=dtype_code(self.dtype),
+                      total=self.numel, rows=self.rows)
+
+    # --- connection -----------------------------------------------------------------------
+
+    def connect(self) -> None:
+        """Open the links (each waits up to ``timeout`` for its server)."""
+        for s in range(self.servers):
+            self.links.append(Link(self.store, self.me, f"server {s}", traffic=self.traffic, timeout=self.timeout,
+                                   net=self.net))
+
+    def close(self) -> None:
+        for link in self.links:
+            link.close()
+        self.links = []
+
+    def _exchange(self, requests: list[_Request]) -> Reply:
+        """Send every request and receive every reply, all shards at once."""
+        sends: list[Work] = []
+        heads: list[Work] = []
+        bodies: list[list[Work]] = []
+        for s, req in enumerate(requests):
+            link = self.links[s]
+            heads.append(link.irecv(self._rx[s], link.peer_index))
+            bodies.append([link.irecv(buf, link.peer_index) for buf in req.into])
+            sends.append(link.isend(encode(req.header), link.peer_index))
+            sends += [link.isend(p, link.peer_index) for p in req.payloads]
+        for work in sends:
+            work.wait()
+        headers = []
+        for s, (req, work) in enumerate(zip(requests, heads)):
+            work.wait()
+            header = decode(self._rx[s], f"server {s}")
+            check_reply(header, req.header, f"server {s}")
+            if header.status != Status.OK:
+                self._refused(s, header)
+            headers.append(header)
+        for works in bodies:
+            for work in works:
+                work.wait()
+        return Reply(headers)
+
+    def _refused(self, server: int, header: Header) -> None:
+        if header.status == Status.LOST:
+            raise PeerLost(f"{self.me}: server {server} declared this worker lost (silent for longer than "
+                           f"--peer-timeout, or its link broke); a lost worker does not come back",
+                           peer=f"server {server}")
+        if header.status == Status.REFUSED:
+            raise ConfigError(f"{self.me}: server {server} refused this worker: the job has finished, or its "
+                              f"consistency (bsp) admits no worker after the start")
+        raise ProtocolError(f"{self.me}: server {server} rejected a message as malformed (see its log)",
+                            peer=f"server {server}")
+
+    def _dense_slice(self, flat: torch.Tensor, server: int) -> torch.Tensor:
+        start, stop = self.sharding.range(server)
+        return flat[start:stop]
+
+    # --- operations ---------------------------------------------------------------------
+
+    def init(self, flat: torch.Tensor, table: torch.Tensor | None = None) -> Reply:
+        """Offer our initial values (the first worker's are kept) and receive the current
+        ones into ``flat`` and ``table``: a worker that joins late starts from the current model."""
+        requests, rows_in = [], []
+        for s in range(self.servers):
+            keys = self.owned(s) if table is not None else torch.empty(0, dtype=torch.int64)
+            req = _Request(self._header(Op.INIT, s, keys=len(keys)))
+            part = self._dense_slice(flat, s)
+            if part.numel():
+                req.payloads.append(part.clone())
+                req.into.append(part)
+            if len(keys):
+                rows = table.index_select(0, keys)
+                req.payloads += [keys, rows.reshape(-1)]
+                req.into.append(torch.empty_like(rows).reshape(-1))
+            rows_in.append((keys, req.into[-1] if len(keys) else None))
+            requests.append(req)
+        reply = self._exchange(requests)
+        for s, header in enumerate(reply.headers):
+            self.versions[s], self.bases[s] = header.version, header.clock
+            keys, rows = rows_in[s]
+            if rows is not None:
+                table.index_copy_(0, keys, rows.view(len(keys), self.width))
+        return reply
+
+    def push_pull(self, grad: torch.Tensor, flat: torch.Tensor, clock: int, versions: list[int]) -> Reply:
+        """Downpour's fused step: push ``grad``, receive the weights that answer it into ``flat``."""
+        requests = []
+        for s in range(self.servers):
+            req = _Request(self._header(Op.PUSH_PULL, s, clock, versions[s]))
+            part = self._dense_slice(grad, s)
+            if part.numel():
+                req.payloads.append(part)
+                req.into.append(self._dense_slice(flat, s))
+            requests.append(req)
+        reply = self._exchange(requests)
+        for s, header in enumerate(reply.headers):
+            self.versions[s] = header.version
+            self.acks[s] += 1
+        return reply
+
+    def push(self, grad: torch.Tensor, clock: int, versions: list[int]) -> Reply:
+        requests = []
+        for s in range(self.servers):
+            part = self._dense_slice(grad, s)
+            requests.append(_Request(self._header(Op.PUSH, s, clock, versions[s]), [part] if part.numel() else []))
+        reply = self._exchange(requests)
+        for s in range(self.servers):
+            self.acks[s] += 1
+        return reply
+
+    def pull(self, flat: torch.Tensor, clock: int) -> Reply:
+        requests = []
+        for s in range(self.servers):
+            part = self._dense_slice(flat, s)
+            requests.append(_Request(self._header(Op.PULL, s, clock), into=[part] if part.numel() else []))
+        reply = self._exchange(requests)
+        for s, header in enumerate(reply.headers):
+            self.versions[s] = header.version
+        return reply
+
+    def sparse_pull(self, flat: torch.Tensor, table: torch.Tensor, keys: torch.Tensor, clock: int) -> Reply:
+        """Receive the dense weights into ``flat`` and the rows ``keys`` (sorted, unique) into ``table``."""
+        parts = self.split_keys(keys)
+        requests = []
+        for s in range(self.servers):
+            req = _Request(self._header(Op.SPARSE_PULL, s, clock, keys=len(parts[s])))
+            dense = self._dense_slice(flat, s)
+            if dense.numel():
+                req.into.append(dense)
+            if len(parts[s]):
+                req.payloads.append(parts[s])
+                req.into.append(torch.empty(len(parts[s]) * self.width, dtype=self.dtype))
+            requests.append(req)
+        reply = self._exchange(requests)
+        for s, (req, header) in enumerate(zip(requests, reply.headers)):
+            self.versions[s] = header.version
+            if len(parts[s]):
+                table.index_copy_(0, parts[s], req.into[-1].view(len(parts[s]), self.width))
+        return reply
+
+    def sparse_push(self, grad: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, clock: int,
+                    versions: list[int]) -> Reply:
+        """Push the dense gradient and the gradients ``rows`` [len(keys), width] of rows ``keys``."""
+        owners = self.ring.owners(keys) if self.ring is not None and len(keys) else None
+        requests = []
+        for s in range(self.servers):
+            mine = owners == s if owners is not None else None
+            part_keys = keys[mine] if mine is not None else keys[:0]
+            req = _Request(self._header(Op.SPARSE_PUSH, s, clock, versions[s], keys=len(part_keys)))
+            dense = self._dense_slice(grad, s)
+            if dense.numel():
+                req.payloads.append(dense)
+            if len(part_keys):
+                req.payloads += [part_keys, rows[mine].reshape(-1)]
+            requests.append(req)
+        reply = self._exchange(requests)
+        for s in range(self.servers):
+            self.acks[s] += 1
+        return reply
+
+    def wait_drained(self, peer_timeout: float) -> int:
+        """After BYE: wait until every server has drained (no live worker, nothing pending),
+        for as long as the servers keep beating; returns the worker that evaluates the final
+        model (server 0's choice, -1 for none)."""
+        keys = [KEYS.drained(s) for s in range(self.servers)]
+        beats = {s: (-1, time.monotonic()) for s in range(self.servers)}
+        pause = 0.005
+        while not self.store.check(keys):
+            now = time.monotonic()
+            for s in range(self.servers):
+                count = self.store.add(KEYS.heartbeat("server", s), 0)
+                last, since = beats[s]
+                if count != last:
+                    beats[s] = (count, now)
+                elif now - since > peer_timeout:
+                    raise PeerLost(f"{self.me}: server {s} stopped beating for {peer_timeout:g} s while the job "
+                                   f"drained", peer=f"server {s}")
+            time.sleep(pause)
+            pause = min(0.1, pause * 2)
+        return int(json.loads(self.store.get(KEYS.drained(0)).decode())["evaluator"])
+
+    def signal(self, op: Op, clock: int = 0) -> Reply:
+        """A payload-free message to every shard: CLOCK, BYE or SHUTDOWN."""
+        return self._exchange([_Request(Header(op=op, sender=self.rank, shard=s, clock=clock,
+                                               dtype=dtype_code(self.dtype), total=self.numel, rows=self.rows))
+                               for s in range(self.servers)])
+
+
+class Heartbeat:
+    """Bumps ``ps/hb/worker/<rank>`` every ``interval`` seconds on its own store connection
+    (a blocking store call elsewhere must not hold the beats up), so servers can tell a
+    live worker from a silent one."""
+
+    def __init__(self, store: dist.Store, rank: int, interval: float) -> None:
+        self._store, self._key, self._interval = store.clone(), KEYS.heartbeat("worker", rank), interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"worker {rank} heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._store.add(self._key, 1)
+            except RuntimeError as exc:  # the store went away: the job is over
+                logger.debug("heartbeat %s stopped: %s", self._key, exc)
+                return
+            self._stop.wait(self._interval)
+
+    def stop(self, timeout: float) -> None:
+        """Stop and join: a thread still inside a store call while the interpreter tears down
+        aborts the process ("terminate called" at exit)."""
+        self._stop.set()
+        self._thread.join(timeout=timeout)

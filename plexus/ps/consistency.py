@@ -1,0 +1,244 @@
+"""Consistency models of a parameter server, as pure gates: when pushes are applied, and
+when a worker may read.
+
+A gate knows nothing of processes, links or tensors. The server calls it under its lock
+(and the simulator with virtual clocks): ``join``/``leave`` when membership changes,
+``push`` for every push that arrives, which returns the groups of pushes to apply now
+(each group is averaged into one update, in rank order), and ``may_serve`` before it
+answers a read. Clocks count pushes: a worker at clock c has pushed c times, and its next
+push carries clock c.
+
+- ``bsp``: the pushes of all live workers for clock c are averaged and applied once, then
+  clock c + 1 may be read (Valiant's bulk-synchronous model; with the global batch split
+  evenly it equals one process training with the whole batch, contract 1).
+- ``asp``: every push is applied on arrival and reads never wait (Downpour SGD, Dean et
+  al. 2012).
+- ``ssp``: pushes are applied on arrival, but a worker at clock c may read only once the
+  slowest live worker has reached clock c - T (stale synchronous parallel, Ho et al.
+  2013). Ho et al. define T = 0 as BSP, and we do the same: at T = 0 every worker waits for
+  all the others at every clock, so the pushes of a clock are all on hand together and are
+  applied as BSP applies them (averaged once). Applying them one by one instead would equal
+  BSP only for plain SGD; with a stateful server optimizer (momentum, Adagrad, Adam) it
+  would not.
+- ``softsync``: every N pushes, from whichever workers, are averaged into one update
+  (Gupta et al. 2016's n-softsync, with N their c = lambda / n gradients per update). A
+  push is answered once its group has been applied, so a worker never computes on weights
+  that lack its own last gradient; hence N = number of workers is BSP and N = 1 is ASP.
+  When every live worker is waiting on a group that is not full (workers finished or
+  died), the partial group is applied rather than waited for forever.
+
+Workers that leave (finished, or lost) stop counting towards any barrier; what they
+pushed before is still applied, so nothing a server acknowledged is dropped.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar, Generic, TypeVar
+
+__all__ = ["Push", "Consistency", "BSP", "ASP", "SSP", "SoftSync", "make_consistency", "is_synchronous",
+           "ConsistencyName"]
+
+P = TypeVar("P")
+ConsistencyName = str  # "bsp" | "asp" | "ssp" | "softsync"
+
+
+@dataclass(frozen=True)
+class Push(Generic[P]):
+    """One worker's push as a gate sees it; ``payload`` is opaque to the gate."""
+
+    worker: int
+    clock: int      # the worker's clock before this push (its pushes so far)
+    version: int    # server version the gradient was computed on
+    payload: P
+
+
+class Consistency(ABC):
+    """A gate over the live workers' clocks (``clocks[w]`` = pushes received from w)."""
+
+    name: ClassVar[str]
+    # Whether a worker may join once training has started.
+    accepts_joins: ClassVar[bool] = True
+
+    def __init__(self) -> None:
+        self.clocks: dict[int, int] = {}
+
+    def join(self, worker: int, clock: int | None = None) -> int:
+        """Add ``worker`` to the live set; returns the clock it starts at. A worker that
+        joins a running job starts at the slowest live worker's clock, so that it holds
+        nobody back and is not ahead of anyone (initial workers start at 0)."""
+        if worker in self.clocks:
+            raise ValueError(f"worker {worker} is already live")
+        start = clock if clock is not None else min(self.clocks.values(), default=0)
+        self.clocks[worker] = start
+        return start
+
+    def live(self) -> list[int]:
+        return sorted(self.clocks)
+
+    def push(self, push: Push[P]) -> list[list[Push[P]]]:
+        """Record a push; returns the groups to apply now, in order."""
+        expected = self.clocks.get(push.worker)
+        if expected is None:
+            raise ValueError(f"worker {push.worker} is not live")
+        if push.clock != expected:
+            raise ValueError(f"worker {push.worker} pushed clock {push.clock}, expected clock {expected}")
+        self.clocks[push.worker] = expected + 1
+        return self._on_push(push)
+
+    def leave(self, worker: int) -> list[list[Push[P]]]:
+        """Remove ``worker`` from the live set (finished or lost); returns groups that can
+        now be applied because nobody waits for it any more."""
+        self.clocks.pop(worker, None)
+        return self._ready()
+
+    @abstractmethod
+    def may_serve(self, worker: int, clock: int) -> bool:
+        """Whether ``worker``, at ``clock``, may read now."""
+
+    def blockers(self, worker: int, clock: int) -> list[int]:
+        """The live workers a read by ``worker`` at ``clock`` waits for (for error messages)."""
+        return []
+
+    def pending(self) -> int:
+        """Pushes received but not yet applied."""
+        return 0
+
+    @abstractmethod
+    def _on_push(self, push: Push[P]) -> list[list[Push[P]]]:
+        ...
+
+    def _ready(self) -> list[list[Push[P]]]:
+        return []
+
+
+class ASP(Consistency):
+    name = "asp"
+
+    def _on_push(self, push: Push[P]) -> list[list[Push[P]]]:
+        return [[push]]
+
+    def may_serve(self, worker: int, clock: int) -> bool:
+        return True
+
+
+class SSP(Consistency):
+    """Apply on arrival; a read at clock c waits until min live clock >= c - T (T >= 1)."""
+
+    name = "ssp"
+
+    def __init__(self, staleness: int) -> None:
+        super().__init__()
+        if staleness < 1:
+            raise ValueError("SSP with T = 0 is BSP: use make_consistency, which returns BSP for it")
+        self.staleness = staleness
+
+    def _on_push(self, push: Push[P]) -> list[list[Push[P]]]:
+        return [[push]]
+
+    def may_serve(self, worker: int, clock: int) -> bool:
+        return min(self.clocks.values(), default=clock) >= clock - self.staleness
+
+    def blockers(self, worker: int, clock: int) -> list[int]:
+        return [w for w, c in sorted(self.clocks.items()) if c < clock - self.staleness]
+
+
+class BSP(Consistency):
+    """Average the pushes of clock r once every live worker has pushed it; reads at clock c
+    wait for clocks < c to be applied."""
+
+    name = "bsp"
+    accepts_joins = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rounds: dict[int, list[Push[P]]] = {}
+        self.applied = 0  # clocks applied so far
+
+    def _on_push(self, push: Push[P]) -> list[list[Push[P]]]:
+        self.rounds.setdefault(push.clock, []).append(push)
+        return self._ready()
+
+    def _ready(self) -> list[list[Push[P]]]:
+        groups = []
+        while self.rounds:
+            r = self.applied
+            if any(c <= r for c in self.clocks.values()):
+                break  # a live worker has not pushed clock r yet
+            group = sorted(self.rounds.pop(r, []), key=lambda p: p.worker)
+            self.applied += 1
+            if group:
+                groups.append(group)
+        return groups
+
+    def may_serve(self, worker: int, clock: int) -> bool:
+        return self.applied >= clock
+
+    def blockers(self, worker: int, clock: int) -> list[int]:
+        return [w for w, c in sorted(self.clocks.items()) if c <= self.applied]
+
+    def pending(self) -> int:
+        return sum(len(r) for r in self.rounds.values())
+
+
+class SoftSync(Consistency):
+    """Average every ``n`` pushes into one update (n-softsync); a worker's read waits until
+    its own pushes have been applied."""
+
+    name = "softsync"
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        if n < 1:
+            raise ValueError(f"softsync needs n >= 1, got {n}")
+        self.n = n
+        self.queue: list[Push[P]] = []
+
+    def _on_push(self, push: Push[P]) -> list[list[Push[P]]]:
+        self.queue.append(push)
+        return self._ready()
+
+    def _ready(self) -> list[list[Push[P]]]:
+        groups = []
+        while len(self.queue) >= self.n:
+            groups.append(sorted(self.queue[:self.n], key=lambda p: (p.worker, p.clock)))
+            del self.queue[:self.n]
+        waiting = {p.worker for p in self.queue}
+        if self.queue and all(w in waiting for w in self.clocks):
+            # Every live worker waits on this group: nobody can complete it.
+            groups.append(sorted(self.queue, key=lambda p: (p.worker, p.clock)))
+            self.queue = []
+        return groups
+
+    def may_serve(self, worker: int, clock: int) -> bool:
+        return all(p.worker != worker for p in self.queue)
+
+    def blockers(self, worker: int, clock: int) -> list[int]:
+        waiting = {p.worker for p in self.queue}
+        return [w for w in sorted(self.clocks) if w not in waiting]
+
+    def pending(self) -> int:
+        return len(self.queue)
+
+
+def make_consistency(name: str, workers: int, staleness: int = 0, softsync: int = 0) -> Consistency:
+    """The gate for ``--consistency name`` with ``workers`` initial workers.
+
+    ``ssp`` with T = 0 is BSP (Ho et al. 2013); ``softsync`` with N = 0 means N = workers."""
+    if name == "bsp" or (name == "ssp" and staleness == 0):
+        return BSP()
+    if name == "asp":
+        return ASP()
+    if name == "ssp":
+        return SSP(staleness)
+    if name == "softsync":
+        return SoftSync(softsync or workers)
+    raise ValueError(f"unknown consistency {name!r}: choose bsp, asp, ssp or softsync")
+
+
+def is_synchronous(name: str, workers: int, staleness: int = 0, softsync: int = 0) -> bool:
+    """Whether every update averages exactly one push per worker, computed on the same
+    weights: then the job is synchronous training and takes global batches (contract 1).
+    True for bsp, ssp with T = 0, softsync with N = workers, and anything with one worker."""
+    return (workers == 1 or name == "bsp" or (name == "ssp" and staleness == 0)
+            or (name == "softsync" and (softsync or workers) >= workers))

@@ -1,0 +1,600 @@
+"""One parameter-server process: serves its shard to every worker over that worker's Link.
+
+Loop. Each worker talks to the server over its own ``Link``, a two-member gloo group, so
+that a worker's death breaks only its own link and a worker can join a running job
+(ARCHITECTURE.md, section 8). ``recv_any`` would need one group holding every worker, which
+gives up both properties, so the server runs one thread per link: the thread receives a
+header, checks it against the shard (``protocol.check_request``), receives the payloads
+the header announced, and answers. Threads share the shard under one lock; gloo and torch
+release the GIL while they move or add numbers, so threads overlap their transfers.
+``plexus bench ps`` measures the resulting push-pull rate against torch's RPC server.
+
+Consistency. Every push goes to the pure gate of ``consistency.py``, which returns the
+groups to apply now; each group is averaged in rank order and applied once with the
+server optimizer (``optimizers.py``), which counts one version. A read (a pull, or the
+answer to a fused push-and-pull) waits until the gate's ``may_serve`` allows it.
+
+Membership. The initial workers are live from the start (a BSP barrier waits for a worker
+that is still starting); a worker that joins later registers through the store
+(``ps/joined``) and becomes live when its INIT arrives. A worker leaves when it says BYE
+(finished), or is lost: its link broke, it broke the protocol, or its heartbeat counter in
+the store stood still for ``--peer-timeout`` seconds (``--timeout`` before its first beat).
+Its pushes already received are still applied, so nothing acknowledged is lost; a server
+that declares a worker lost writes ``ps/lost/<w>`` so the other servers drop it too.
+
+End. Once no worker is live and nothing is pending, the shard is *drained*: the server
+writes ``ps/drained/<s>`` (server 0 names there the worker that evaluates the final model),
+answers the remaining reads (the final pull), and returns when every remaining link has
+been shut down.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from plexus.cluster.group import Link
+from plexus.cluster.traffic import Traffic
+from plexus.config import JobConfig
+from plexus.errors import CommError, CommTimeout, ProtocolError
+from plexus.ps.consistency import Consistency, Push, make_consistency
+from plexus.ps.optimizers import ServerOptimizer, make_server_optimizer
+from plexus.ps.protocol import (SENTINEL, Header, Op, ShardSpec, Status, check_request, code_dtype, decode, encode,
+                                header_buffer, mark_payload, payload_short, request_payloads)
+from plexus.ps.sharding import HashRing, RangeSharding
+from plexus.ps.staleness import StalenessHistogram, staleness_lr_scale
+
+__all__ = ["ParameterServer", "KEYS", "VNODES"]
+
+logger = logging.getLogger(__name__)
+
+# Virtual nodes per server on the hash ring of sparse rows.
+VNODES = 64
+
+
+class KEYS:
+    """Store keys (under the job's namespace) shared by servers and workers."""
+
+    joined = "ps/joined"                      # counter: workers that joined after the start
+
+    @staticmethod
+    def heartbeat(role: str, rank: int) -> str:
+        return f"ps/hb/{role}/{rank}"
+
+    @staticmethod
+    def lost(worker: int) -> str:
+        return f"ps/lost/{worker}"
+
+    @staticmethod
+    def drained(server: int) -> str:
+        return f"ps/drained/{server}"
+
+
+# Worker states on one server.
+EXPECTED, ACTIVE, FINISHED, CLOSED, LOST = "expected", "active", "finished", "closed", "lost"
+
+
+@dataclass
+class _Payload:
+    dense: torch.Tensor | None
+    rows: torch.Tensor | None         # local row indices
+    grads: torch.Tensor | None        # [len(rows), width]
+
+
+@dataclass
+class _Worker:
+    state: str
+    since: float                      # monotonic time of registration
+    base: int = 0                     # gate clock at which it started
+    beats: int = 0                    # last heartbeat counter seen
+    heard: float = 0.0                # monotonic time the counter last moved
+    applied: int = 0
+    acked: int = 0
+    pushed: int = 0
+    staleness: int = -1               # staleness of its last applied push
+    thread: threading.Thread | None = field(default=None, repr=False)
+    rx: torch.Tensor | None = field(default=None, repr=False)    # dense receive buffer, reused
+
+
+def _running(thread: threading.Thread | None) -> bool:
+    return thread is not None and thread.is_alive() and thread is not threading.current_thread()
+
+
+class ParameterServer:
+    """Server ``index`` of ``cfg.cluster.servers``: holds one shard and serves every worker."""
+
+    def __init__(self, store: dist.Store, index: int, cfg: JobConfig, traffic: Traffic) -> None:
+        self.store, self.index, self.cfg, self.traffic = store, index, cfg, traffic
+        self.me = f"server {index}"
+        self.servers = max(1, cfg.cluster.servers)
+        self.workers = cfg.cluster.workers
+        self.timeout, self.peer_timeout = cfg.cluster.timeout, cfg.cluster.peer_timeout
+        # A worker may legitimately be silent between two messages for a store barrier (up to
+        # --timeout) plus a step; a gloo receive that times out breaks its pair for good.
+        self.idle_limit = 2 * self.timeout + self.peer_timeout
+        self.interval = min(0.25, self.peer_timeout / 4)
+        s = cfg.strategy
+        self.gate: Consistency = make_consistency(s.consistency, self.workers, s.staleness, s.softsync)
+        self.cond = threading.Condition()
+        self.spec: ShardSpec | None = None
+        # The dense range. Updates are written into a spare buffer that then becomes
+        # ``params``, so a reply is sent from the buffer of its version without a copy;
+        # ``_sending`` counts the replies still using each buffer (by id), and buffers whose
+        # last reply is done return to ``_spare``.
+        self.params = torch.empty(0)
+        self._spare: list[torch.Tensor] = []
+        self._sending: dict[int, int] = {}
+        self._retired: dict[int, torch.Tensor] = {}
+        self.table = torch.empty(0, 0)
+        self.owned_keys = torch.empty(0, dtype=torch.int64)
+        self.optimizer: ServerOptimizer | None = None
+        self.version = 0
+        self.histogram = StalenessHistogram()
+        self.protocol_errors = 0
+        self.joined: dict[int, int] = {}   # worker -> shard version it started from
+        self.lost: dict[int, str] = {}
+        self.drained = False
+        self.evaluator = -1
+        self.peers: dict[int, _Worker] = {}
+        now = time.monotonic()
+        for w in range(self.workers):
+            self.peers[w] = _Worker(EXPECTED, now)
+            self.gate.join(w, 0)
+        self._stop = threading.Event()
+
+    # --- the process's main loop ------------------------------------------------------
+
+    def serve(self) -> dict[str, Any]:
+        """Serve until the job has drained and every link is shut; returns the final record."""
+        monitor = threading.Thread(target=self._monitor, name=f"{self.me} monitor", daemon=True)
+        for w in range(self.workers):
+            self._start_link(w)
+        monitor.start()
+        published = False
+        try:
+            while True:
+                with self.cond:
+                    if published or not self.drained:
+                        self.cond.wait(0.1)
+                    done, drained = self._done(), self.drained
+                    record = {"evaluator": self.evaluator, "version": self.version}
+                if drained and not published:
+                    # Workers wait for this record before they pull the final model and shut down.
+                    self.store.set(KEYS.drained(self.index), json.dumps(record))
+                    published = True
+                if done:
+                    break
+        finally:
+            self._stop.set()
+        monitor.join(timeout=5 * self.interval + 5)
+        # Let the threads of lost workers finish closing their links: a thread still inside a
+        # gloo or store call while the interpreter tears down aborts the process ("terminate
+        # called"). One stuck in a receive from a hung worker (until its idle limit) is left
+        # behind: exiting while a thread waits in a gloo receive is safe (measured).
+        deadline = time.monotonic() + 5.0
+        for peer in list(self.peers.values()):
+            if _running(peer.thread):
+                peer.thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        return self.record()
+
+    def _done(self) -> bool:
+        """Drained, and every link thread of a worker not lost has finished."""
+        return self.drained and all(p.state == LOST or (p.state == CLOSED and not _running(p.thread))
+                                    for p in self.peers.values())
+
+    def record(self) -> dict[str, Any]:
+        """The final record for the summary (JSON data)."""
+        with self.cond:
+            return {
+                "version": self.version, "dense_elements": self.spec.count if self.spec else 0,
+                "owned_rows": len(self.owned_keys),
+                "applied": {str(w): p.applied for w, p in sorted(self.peers.items())},
+                "acked": {str(w): p.acked for w, p in sorted(self.peers.items())},
+                "staleness_counts": list(self.histogram.counts),
+                "lost": {str(w): why for w, why in sorted(self.lost.items())},
+                "joined": {str(w): v for w, v in self.joined.items()}, "protocol_errors": self.protocol_errors,
+                "bytes_sent": self.traffic.bytes_sent, "bytes_recv": self.traffic.bytes_recv,
+                "traffic": self.traffic.snapshot(), "evaluator": self.evaluator,
+            }
+
+    # --- membership ---------------------------------------------------------------------
+
+    def _start_link(self, worker: int) -> None:
+        thread = threading.Thread(target=self._serve_worker, args=(worker,), name=f"{self.me} <- worker {worker}",
+                                  daemon=True)
+        self.peers[worker].thread = thread
+        thread.start()
+
+    def _monitor(self) -> None:
+        """Heartbeats (ours and the workers'), losses declared by other servers, and joins.
+        Uses its own store connection: a blocking store call in another thread must not
+        hold up the heartbeats."""
+        store = self.store.clone()
+        beat_key = KEYS.heartbeat("server", self.index)
+        known_joins = 0
+        while not self._stop.is_set():
+            store.add(beat_key, 1)
+            now = time.monotonic()
+            with self.cond:
+                watched = [w for w, p in self.peers.items() if p.state in (EXPECTED, ACTIVE, FINISHED)]
+            for w in watched:
+                beats = store.add(KEYS.heartbeat("worker", w), 0)
+                if store.check([KEYS.lost(w)]):
+                    self._lose(w, "declared lost by another server", announce=False)
+                    continue
+                with self.cond:
+                    peer = self.peers[w]
+                    if beats != peer.beats:
+                        peer.beats, peer.heard = beats, now
+                    silent = now - (peer.heard if peer.beats else peer.since)
+                    limit = self.peer_timeout if peer.beats else self.timeout
+                if silent > limit:
+                    self._lose(w, f"no heartbeat for {silent:.1f} s (limit {limit:g} s)")
+            joins = store.add(KEYS.joined, 0)
+            while known_joins < joins:
+                self._admit(self.workers + known_joins)
+                known_joins += 1
+            self._stop.wait(self.interval)
+
+    def _admit(self, worker: int) -> None:
+        """A worker registered to join: expect its link (it becomes live at INIT)."""
+        with self.cond:
+            if worker in self.peers:
+                return
+            if self.drained:  # too late: the job is over (it will be refused at INIT anyway)
+                self.peers[worker] = _Worker(CLOSED, time.monotonic())
+                return
+            self.peers[worker] = _Worker(EXPECTED, time.monotonic())
+        logger.info("%s: worker %d asks to join", self.me, worker)
+        self._start_link(worker)
+
+    def _lose(self, worker: int, reason: str, announce: bool = True) -> None:
+        """Remove ``worker`` from the live set; its received pushes are still applied."""
+        with self.cond:
+            peer = self.peers.get(worker)
+            if peer is None or peer.state in (CLOSED, LOST):
+                return
+            if peer.state == FINISHED:
+                # It had finished training; a broken link now loses nothing.
+                peer.state = CLOSED
+            else:
+                peer.state = LOST
+                self.lost[worker] = reason
+                self._apply(self.gate.leave(worker))
+            self._check_drained()
+            self.cond.notify_all()
+            lost = peer.state == LOST
+        if lost:
+            logger.warning("%s: lost worker %d (%s); %d live", self.me, worker, reason, len(self.gate.live()))
+            if announce:
+                try:
+                    self.store.clone().set(KEYS.lost(worker), reason)
+                except RuntimeError as exc:  # the store is the launcher's; if it is gone the job is over
+                    logger.warning("%s: could not announce the loss of worker %d: %s", self.me, worker, exc)
+
+    def _check_drained(self) -> None:
+        """Under the lock: no worker live or expected and nothing pending means drained."""
+        if self.drained or self.gate.pending():
+            return
+        if any(p.state in (EXPECTED, ACTIVE) for p in self.peers.values()):
+            return
+        self.drained = True
+        finished = [w for w, p in self.peers.items() if p.state == FINISHED]
+        self.evaluator = min(finished, default=-1)
+        logger.info("%s: drained at version %d; worker %d evaluates", self.me, self.version, self.evaluator)
+
+    # --- one link ------------------------------------------------------------------------
+
+    def _serve_worker(self, worker: int) -> None:
+        peer_name = f"worker {worker}"
+        try:
+            link = Link(self.store.clone(), self.me, peer_name, traffic=self.traffic, timeout=self.timeout,
+                        net=self.cfg.cluster.net)
+        except CommError as exc:
+            self._lose(worker, f"its link could not be opened: {exc}")
+            return
+        buffer = header_buffer()
+        try:
+            while True:
+                buffer.fill_(SENTINEL)
+                link.recv_from_peer(buffer, timeout=self.idle_limit)
+                if not self._handle(link, worker, decode(buffer, peer_name)):
+                    break
+        except ProtocolError as exc:
+            with self.cond:
+                self.protocol_errors += 1
+            logger.error("%s: protocol error from %s: %s; closing its link", self.me, peer_name, exc)
+            self._reply_status(link, worker, Status.ERROR)
+            self._lose(worker, f"protocol error: {exc}")
+        except CommError as exc:
+            self._lose(worker, str(exc))
+        finally:
+            link.close()
+            # Whatever ended the link, a live worker behind it is gone (a finished one is closed).
+            self._lose(worker, "its link closed")
+            with self.cond:
+                if self.peers[worker].state != LOST:
+                    self.peers[worker].state = CLOSED
+                self._check_drained()
+                self.cond.notify_all()
+
+    def _reply_status(self, link: Link, worker: int, status: Status) -> None:
+        """A payload-free reply (best effort: the link may be going away)."""
+        try:
+            link.send_to_peer(encode(Header(op=Op.REPLY, sender=self.index, shard=self.index, status=status,
+                                            version=self.version)), timeout=min(5.0, self.timeout))
+        except CommError:
+            pass
+
+    def _recv_payloads(self, link: Link, header: Header, peer: _Worker) -> list[torch.Tensor]:
+        """Receive the payloads ``header`` announced; ProtocolError if one is shorter than
+        announced (gloo accepts a short message silently: its last element keeps our
+        mark) or holds non-finite numbers (a diverged worker must not poison the model)."""
+        out = []
+        for i, (numel, dtype) in enumerate(request_payloads(header)):
+            reuse = i == 0 and header.count == numel and dtype.is_floating_point
+            if reuse and (peer.rx is None or peer.rx.numel() != numel or peer.rx.dtype != dtype):
+                peer.rx = torch.empty(numel, dtype=dtype)
+            buf = peer.rx if reuse else torch.empty(numel, dtype=dtype)
+            mark_payload(buf)
+            link.recv_from_peer(buf)
+            if payload_short(buf):
+                raise ProtocolError(f"{link.peer} sent a payload shorter than {header.describe()} announced",
+                                    peer=link.peer)
+            # One sum instead of an elementwise test (torch.isfinite(x).all() is 30x slower on
+            # a CPU thread): it is non-finite when any element is, or when the elements are
+            # so large that they overflow, which a sane gradient never does either.
+            if dtype.is_floating_point and not bool(torch.isfinite(buf.sum())):
+                raise ProtocolError(f"{link.peer} sent non-finite values with {header.describe()}: its training "
+                                    f"diverged; lower --lr", peer=link.peer)
+            out.append(buf)
+        return out
+
+    def _handle(self, link: Link, worker: int, h: Header) -> bool:
+        """Serve one request; returns False when the link is to be closed."""
+        with self.cond:
+            peer = self.peers[worker]
+            state, spec = peer.state, self.spec
+        if state == LOST:
+            self._reply_status(link, worker, Status.LOST)
+            return False
+        if h.op == Op.INIT:
+            return self._init(link, worker, h)
+        if spec is None or state == EXPECTED:
+            raise ProtocolError(f"{link.peer} sent {h.describe()} before INIT", peer=link.peer)
+        check_request(h, spec, worker, link.peer)
+        payloads = self._recv_payloads(link, h, peer)
+        op = Op(h.op)
+        if op in (Op.PUSH, Op.PUSH_PULL, Op.SPARSE_PUSH):
+            if state != ACTIVE:
+                raise ProtocolError(f"{link.peer} pushed after BYE", peer=link.peer)
+            self._push(worker, h, payloads)
+            if op == Op.PUSH_PULL:
+                self._wait_read(worker, h.clock + 1)
+                self._send_reply(link, h, worker, dense=True, rows=None)
+            else:
+                self._send_reply(link, h, worker, dense=False, rows=None)
+            with self.cond:
+                peer.acked += 1
+            return True
+        if op in (Op.PULL, Op.SPARSE_PULL):
+            rows = self._local_rows(payloads[0], link.peer) if op == Op.SPARSE_PULL and h.keys else None
+            self._wait_read(worker, h.clock)
+            self._send_reply(link, h, worker, dense=True, rows=rows)
+            return True
+        if op == Op.CLOCK:
+            self._send_reply(link, h, worker, dense=False, rows=None)
+            return True
+        if op == Op.BYE:
+            with self.cond:
+                if peer.state == ACTIVE:
+                    peer.state = FINISHED
+                    self._apply(self.gate.leave(worker))
+                    self._check_drained()
+                    self.cond.notify_all()
+            self._send_reply(link, h, worker, dense=False, rows=None)
+            # Receive nothing more until the job drains: the worker now waits on the store,
+            # and a pending gloo receive would time out and break the link meanwhile.
+            with self.cond:
+                while not self.drained and peer.state == FINISHED:
+                    self.cond.wait(1.0)
+                return peer.state == FINISHED
+        if op == Op.SHUTDOWN:
+            self._send_reply(link, h, worker, dense=False, rows=None)
+            with self.cond:
+                if peer.state == ACTIVE:  # shut down without BYE: leaves like a BYE
+                    self._apply(self.gate.leave(worker))
+                peer.state = CLOSED
+                self._check_drained()
+                self.cond.notify_all()
+            return False
+        raise ProtocolError(f"{link.peer} sent {h.describe()}, which a server does not serve", peer=link.peer)
+
+    def _init(self, link: Link, worker: int, h: Header) -> bool:
+        """First message of every worker: fixes the shard's layout (the first one to arrive
+        supplies the initial values; every worker's are the same, contract 2) and answers
+        with the current values, so a worker that joins late starts from the current model."""
+        if self.peers[worker].state != EXPECTED:
+            raise ProtocolError(f"{link.peer} sent a second INIT", peer=link.peer)
+        self._layout(h, link.peer)
+        check_request(h, self.spec, worker, link.peer)
+        payloads = self._recv_payloads(link, h, self.peers[worker])
+        dense = payloads[0] if h.count else torch.empty(0, dtype=self.spec.dtype)
+        keys = payloads[1 if h.count else 0] if h.keys else torch.empty(0, dtype=torch.int64)
+        if h.keys and (len(keys) != len(self.owned_keys) or not torch.equal(keys, self.owned_keys)):
+            raise ProtocolError(f"{link.peer} sent INIT rows for keys other than the ones this shard owns",
+                                peer=link.peer)
+        with self.cond:
+            peer = self.peers[worker]
+            refused = self.drained or (worker >= self.workers and not self.gate.accepts_joins)
+            if not refused:
+                if self.optimizer is None:
+                    self.params.copy_(dense)
+                    if h.keys:
+                        self.table.copy_(payloads[-1].view_as(self.table))
+                    self.optimizer = make_server_optimizer(self.cfg.optim, self.spec.count, len(self.owned_keys),
+                                                           self.spec.width, self.spec.dtype)
+                if worker >= self.workers:
+                    peer.base = self.gate.join(worker)
+                    self.joined[worker] = self.version
+                peer.state = ACTIVE
+        if refused:
+            why = "the job has finished" if self.drained else f"--consistency {self.cfg.strategy.consistency} " \
+                                                             f"admits no workers after the start"
+            logger.warning("%s: refused worker %d: %s", self.me, worker, why)
+            self._reply_status(link, worker, Status.REFUSED)
+            with self.cond:
+                peer.state = CLOSED
+                self.cond.notify_all()
+            return False
+        rows = torch.arange(len(self.owned_keys)) if h.keys else None
+        self._send_reply(link, h, worker, dense=True, rows=rows)
+        return True
+
+    def _layout(self, h: Header, peer: str) -> None:
+        """Derive this shard's spec from the first INIT (every later one must agree)."""
+        with self.cond:
+            if self.spec is not None:
+                return
+            if h.total < 0 or h.rows < 0 or (h.rows and h.width < 1):
+                raise ProtocolError(f"{peer} sent an impossible layout in {h.describe()}", peer=peer)
+            start, stop = RangeSharding(h.total, self.servers).range(self.index)
+            keys = HashRing(self.servers, VNODES).keys_of(self.index, h.rows) if h.rows else self.owned_keys
+            dtype = code_dtype(h.dtype)
+            self.spec = ShardSpec(index=self.index, start=start, stop=stop, dtype=dtype, total=h.total, rows=h.rows,
+                                  width=h.width if h.rows else 0, owned_rows=len(keys))
+            self.owned_keys = keys
+            self.params = torch.zeros(stop - start, dtype=dtype)
+            self.table = torch.zeros(len(keys), self.spec.width, dtype=dtype)
+
+    def _local_rows(self, keys: torch.Tensor, peer: str) -> torch.Tensor:
+        """Local indices of ``keys`` (strictly increasing, all owned here), else ProtocolError."""
+        if len(keys) > 1 and not bool((keys[1:] > keys[:-1]).all()):
+            raise ProtocolError(f"{peer} sent keys that are not strictly increasing", peer=peer)
+        local = torch.searchsorted(self.owned_keys, keys)
+        inside = local < len(self.owned_keys)
+        if not bool(inside.all()) or not torch.equal(self.owned_keys[local], keys):
+            raise ProtocolError(f"{peer} sent keys that server {self.index} does not own", peer=peer)
+        return local
+
+    def _push(self, worker: int, h: Header, payloads: list[torch.Tensor]) -> None:
+        spec = self.spec
+        dense = payloads[0] if h.count else None
+        rows = grads = None
+        if h.op == Op.SPARSE_PUSH and h.keys:
+            rows = self._local_rows(payloads[-2], f"worker {worker}")
+            grads = payloads[-1].view(h.keys, spec.width)
+        with self.cond:
+            peer = self.peers[worker]
+            if h.version > self.version:
+                raise ProtocolError(f"worker {worker} claims version {h.version}, ahead of the shard's "
+                                    f"{self.version}", peer=f"worker {worker}")
+            push = Push(worker, peer.base + h.clock, h.version, _Payload(dense, rows, grads))
+            try:
+                groups = self.gate.push(push)
+            except ValueError as exc:
+                raise ProtocolError(f"worker {worker}: {exc}", peer=f"worker {worker}") from None
+            peer.pushed += 1
+            if not any(p is push for group in groups for p in group):
+                peer.rx = None  # the gate holds this buffer until the push is applied
+            self._apply(groups)
+            self.cond.notify_all()
+
+    def _apply(self, groups: list[list[Push]]) -> None:
+        """Under the lock: average each group in rank order and apply it as one update."""
+        for group in groups:
+            stale = [self.version - p.version for p in group]
+            scale = staleness_lr_scale(stale) if self.cfg.strategy.staleness_lr else 1.0
+            dense = [p.payload.dense for p in group if p.payload.dense is not None]
+            if dense and self.optimizer is not None:
+                if len(group) == 1:
+                    grad = dense[0]
+                else:  # the mean, summed in rank order
+                    grad = dense[0].clone()
+                    for more in dense[1:]:
+                        grad.add_(more)
+                    grad.div_(len(group))
+                out = self._spare.pop() if self._spare else torch.empty_like(self.params)
+                self.optimizer.step(self.params, grad, scale, out=out)
+                self._retire(self.params)
+                self.params = out
+            sparse = [p.payload for p in group if p.payload.rows is not None and len(p.payload.rows)]
+            if sparse and self.optimizer is not None:
+                rows = torch.cat([p.rows for p in sparse])
+                grads = torch.cat([p.grads for p in sparse])
+                unique, inverse = torch.unique(rows, return_inverse=True)
+                total = torch.zeros(len(unique), grads.shape[1], dtype=grads.dtype).index_add_(0, inverse, grads)
+                self.optimizer.step_rows(self.table, unique, total.div_(len(group)), scale)
+            if self.optimizer is not None:
+                self.optimizer.tick()
+            self.version += 1
+            for p, s in zip(group, stale):
+                self.histogram.record(s)
+                peer = self.peers[p.worker]
+                peer.applied += 1
+                peer.staleness = s
+
+    def _retire(self, buffer: torch.Tensor) -> None:
+        """Under the lock: ``buffer`` is no longer current; reuse it once no reply uses it."""
+        if self._sending.get(id(buffer)):
+            self._retired[id(buffer)] = buffer
+        else:
+            self._spare.append(buffer)
+
+    def _wait_read(self, worker: int, clock: int) -> None:
+        """Block until the gate lets ``worker`` read at (its own) ``clock``."""
+        deadline = time.monotonic() + self.timeout
+        with self.cond:
+            peer = self.peers[worker]
+            target = peer.base + clock
+            while not self.gate.may_serve(worker, target) and peer.state != LOST:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    waiting = ", ".join(f"worker {w}" for w in self.gate.blockers(worker, target)) or "nobody"
+                    raise CommTimeout(f"{self.me}: worker {worker} waited {self.timeout:g} s to read at clock "
+                                      f"{target}, held up by {waiting}", peer=waiting)
+                self.cond.wait(min(left, 1.0))
+
+    def _send_reply(self, link: Link, h: Header, worker: int, dense: bool, rows: torch.Tensor | None) -> None:
+        """Answer ``h``: a header, then the dense range and the requested rows, copied
+        under the lock so that each reply is one consistent version."""
+        with self.cond:
+            peer = self.peers[worker]
+            payloads = []
+            status = Status.LOST if peer.state == LOST else Status.OK
+            sending = None
+            if status == Status.OK and dense and self.spec.count:
+                sending = self.params
+                self._sending[id(sending)] = self._sending.get(id(sending), 0) + 1
+                payloads.append(sending)
+            if status == Status.OK and rows is not None and len(rows):
+                payloads.append(self.table.index_select(0, rows).reshape(-1))
+            # The staleness of the push this answers, once it has been applied.
+            known = peer.staleness >= 0 and peer.applied == peer.pushed and h.op in (Op.PUSH, Op.PUSH_PULL,
+                                                                                       Op.SPARSE_PUSH)
+            reply = Header(op=Op.REPLY, sender=self.index, shard=self.index, clock=peer.base,
+                           version=self.version, offset=h.offset, count=payloads[0].numel() if dense and payloads
+                           and self.spec.count else 0, keys=len(rows) if rows is not None and status == Status.OK
+                           else 0, width=h.width, dtype=h.dtype, staleness=peer.staleness + 1 if known else 0,
+                           status=status)
+        try:
+            works = [link.isend(encode(reply), link.peer_index)]
+            works += [link.isend(p, link.peer_index) for p in payloads]
+            for work in works:
+                work.wait()
+        finally:
+            if sending is not None:
+                with self.cond:
+                    self._sending[id(sending)] -= 1
+                    if not self._sending[id(sending)]:
+                        del self._sending[id(sending)]
+                        if id(sending) in self._retired:
+                            self._spare.append(self._retired.pop(id(sending)))
+        if status == Status.LOST:
+            raise CommError(f"{self.me}: worker {worker} was declared lost", peer=link.peer)

@@ -1,0 +1,412 @@
+"""``ps``: a sharded parameter server running Downpour SGD (Dean et al. 2012) under bsp,
+asp, ssp or softsync consistency, with server-side optimizers (Li et al. 2014).
+
+Processes. ``--servers S`` server processes each hold one shard of the model (a range of
+the flat buffer and, for models with one embedding table, the rows that consistent
+hashing gives them; ``plexus/ps/``) and update it with their own optimizer state: sgd,
+momentum, adagrad (Downpour + Adagrad) or adam, from ``--optimizer`` and ``--momentum``.
+
+Workers. Each worker keeps a replica of the model. Every ``--fetch-every`` steps it pulls
+the weights, every ``--push-every`` steps it pushes the mean of the gradients it computed
+since its last push (DistBelief's n_fetch and n_push; DistBelief sends their sum, which is
+this mean times n_push, so our learning rate means the same whatever n_push). A push that
+is due together with a fetch travels as one fused push-and-pull: one round trip per step
+with the defaults. A replica is never updated locally: between fetches it computes on the
+weights it last fetched. With the ``sparse`` dataset and ``logreg`` (any model with exactly
+one ``nn.Embedding``/``nn.EmbeddingBag``, looked up by the input ids), a step pulls only
+the rows its batch touches and pushes only their gradients (Li et al. 2014's sparse
+push/pull), so its traffic scales with the rows touched, not with the table.
+
+Consistency and data. Where every update averages one push per worker computed on the
+same weights (bsp, ssp with T = 0, softsync with N = workers, or one worker) the job is
+synchronous: worker r takes the r-th slice of global batch t, and training equals one
+process with the whole batch (contract 1). Otherwise each worker walks its own partition
+of the data with batches of ``--batch-size / workers``, as DistBelief's replicas do.
+
+Faults and membership. Worker losses are tolerated under every consistency model: a
+worker whose link breaks, or whose heartbeat (a counter in the store, bumped every
+``--peer-timeout / 5`` s) stands still for ``--peer-timeout`` s, is removed from the live
+set, and the barrier or bound goes on with the others. ``plexus worker --join HOST:PORT``
+adds a worker to a running asp, ssp or softsync job; it starts from the current weights.
+
+Evaluation. Worker 0's replica is a snapshot of the global model right after each fetch,
+so the runner evaluates it off the clock (sparse tables are refreshed in full at the
+evaluation steps). At the end every surviving worker says BYE and waits until the servers
+have drained; the lowest-ranked survivor pulls the final model and evaluates it, so the
+summary has a final accuracy even when worker 0 was lost.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from plexus.cluster.rendezvous import store_get_json, store_set_json, wait_keys
+from plexus.config import JobConfig
+from plexus.errors import ConfigError
+from plexus.ps.client import Heartbeat, PSClient, Reply
+from plexus.ps.consistency import is_synchronous
+from plexus.ps.protocol import Op
+from plexus.ps.server import KEYS, ParameterServer
+from plexus.ps.staleness import StalenessHistogram
+from plexus.strategies.base import Context, LossFn, RoleContext, StepStats, Strategy
+
+__all__ = ["DownpourStrategy", "num_servers"]
+
+logger = logging.getLogger(__name__)
+
+_JOB_KEY = "ps/job"
+_STOP_KEY = "ps/stop"
+
+
+def num_servers(cfg: JobConfig) -> int:
+    """``--servers`` for the ps strategy; 0 (the default) means one server."""
+    return max(1, cfg.cluster.servers)
+
+
+def _sparse_module(model: nn.Module) -> nn.Module | None:
+    """The model's only embedding table, if it has exactly one."""
+    tables = [m for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
+    return tables[0] if len(tables) == 1 and tables[0].weight.requires_grad else None
+
+
+class DownpourStrategy(Strategy):
+    name = "ps"
+    # Per job: setup() sets it on the instance from the consistency model (see the module
+    # docstring). The class says asynchronous, which is how the summary counts steps.
+    synchronous = False
+
+    # --- configuration and roles -------------------------------------------------------
+
+    @classmethod
+    def check_config(cls, cfg: JobConfig) -> None:
+        s, c = cfg.strategy, cfg.cluster
+        if s.softsync > c.workers:
+            raise ConfigError(f"softsync must not exceed workers ({c.workers}), got {s.softsync}: an update that "
+                              f"waits for more pushes than there are workers never comes; pass --softsync "
+                              f"{c.workers} or less (0 means all workers)")
+        if c.peer_timeout >= c.timeout:
+            raise ConfigError(f"peer_timeout must be shorter than timeout ({c.timeout:g} s), got "
+                              f"{c.peer_timeout:g}: servers must drop a silent worker before the others' waits "
+                              f"for it time out; pass --peer-timeout {max(1.0, c.timeout / 6):g}")
+
+    @classmethod
+    def extra_roles(cls, cfg: JobConfig) -> list[tuple[str, int]]:
+        return [("server", num_servers(cfg))]
+
+    @classmethod
+    def tolerates_loss(cls, cfg: JobConfig, role: str, rank: int) -> bool:
+        return role == "worker"
+
+    @classmethod
+    def run_role(cls, role: str, rank: int, ctx: RoleContext) -> None:
+        if role != "server":
+            raise ConfigError(f"strategy ps has no role {role!r}")
+        s, workers = ctx.cfg.strategy, ctx.cfg.cluster.workers
+        if rank == 0 and ctx.cfg.optim.optimizer == "sgd" and ctx.cfg.optim.momentum > 0 \
+                and not is_synchronous(s.consistency, workers, s.staleness, s.softsync):
+            logger.warning("server 0: server momentum %g under %s with %d workers: asynchrony already acts as "
+                           "momentum (Mitliagkas et al. 2016), and the two together can stall or diverge; if "
+                           "training does not progress, pass --momentum 0, a lower --lr, or --staleness-lr",
+                           ctx.cfg.optim.momentum, s.consistency, workers)
+        if rank == 0:
+            # What a worker that joins later needs: the job and where it writes.
+            store_set_json(ctx.store, _JOB_KEY, {"config": ctx.cfg.to_dict(),
+                                                 "run_dir": str(ctx.run_dir) if ctx.run_dir else None})
+        record = ParameterServer(ctx.store, rank, ctx.cfg, ctx.traffic).serve()
+        store_set_json(ctx.store, f"stats/server/{rank}", record)
+        if rank == 0:
+            servers = num_servers(ctx.cfg)
+            keys = [f"stats/server/{s}" for s in range(servers)]
+            wait_keys(ctx.store, keys, ctx.cfg.cluster.timeout, "the final records of the other servers")
+            histogram = StalenessHistogram()
+            for key in keys:
+                histogram = histogram.merge(StalenessHistogram(store_get_json(ctx.store, key)["staleness_counts"]))
+            t0 = float(ctx.store.get("train/t0").decode()) if ctx.store.check(["train/t0"]) else time.time()
+            ctx.log.log("staleness_histogram", time=time.time() - t0, counts=histogram.counts,
+                        mean=histogram.mean, max=histogram.max)
+
+    @classmethod
+    def summary_fields(cls, cfg: JobConfig, records: dict[str, Any]) -> dict[str, Any]:
+        """Counts from the servers: a push counts as applied (acknowledged) when any shard
+        applied (acknowledged) it; every push goes to every shard, which apply a worker's
+        pushes in order, so per worker that is the maximum over shards."""
+        servers = records.get("server", {})
+        workers = sorted({int(w) for rec in servers.values() for w in rec["applied"]})
+
+        def total(field: str) -> int:
+            return sum(max(rec[field].get(str(w), 0) for rec in servers.values()) for w in workers)
+
+        histogram = StalenessHistogram()
+        for rec in servers.values():
+            histogram = histogram.merge(StalenessHistogram(rec["staleness_counts"]))
+        lost = {r for r in range(cfg.cluster.workers) if r not in records["worker"]}
+        lost |= {int(w) for rec in servers.values() for w in rec["lost"]}
+        s = cfg.strategy
+        out: dict[str, Any] = {
+            "servers": num_servers(cfg),
+            "consistency": s.consistency,
+            "updates_applied": total("applied"),
+            "pushes_acknowledged": total("acked"),
+            "server_versions": [servers[r]["version"] for r in sorted(servers)],
+            "staleness_mean": histogram.mean,
+            "staleness_max": histogram.max,
+            "staleness_histogram": histogram.counts,
+            "lost_workers": sorted(lost),
+            "joined_workers": sorted({int(w) for rec in servers.values() for w in rec["joined"]}),
+            # The shard version each joined worker started from (the oldest over shards).
+            "join_versions": {w: min(rec["joined"][w] for rec in servers.values() if w in rec["joined"])
+                              for w in sorted({w for rec in servers.values() for w in rec["joined"]}, key=int)},
+            "updates_applied_by_worker": {str(w): max(rec["applied"].get(str(w), 0) for rec in servers.values())
+                                          for w in workers},
+            "protocol_errors": sum(rec["protocol_errors"] for rec in servers.values()),
+            "bytes_received_by_servers": sum(rec["bytes_recv"] for rec in servers.values()),
+        }
+        if records["worker"]:
+            # The job lasts until its slowest worker is done, not until the evaluator is.
+            wall = max(w["wall_seconds"] for w in records["worker"].values())
+            share = cfg.run.batch_size // cfg.cluster.workers
+            samples = sum(w["steps"] for w in records["worker"].values()) * share
+            if is_synchronous(s.consistency, cfg.cluster.workers, s.staleness, s.softsync):
+                steps = max(w["steps"] for w in records["worker"].values())
+                out.update(steps=steps)
+                samples = steps * cfg.run.batch_size
+            out.update(samples=samples, wall_seconds=wall, samples_per_second=samples / wall if wall else None)
+        return out
+
+    # --- joining --------------------------------------------------------------------
+
+    @classmethod
+    def job_record(cls, store, timeout: float) -> dict[str, Any]:
+        """The running job's configuration and run directory, as server 0 published them."""
+        wait_keys(store, [_JOB_KEY], timeout, "the parameter servers of the job (is it a --strategy ps job?)")
+        return store_get_json(store, _JOB_KEY)
+
+    @classmethod
+    def admit(cls, store, cfg: JobConfig) -> int:
+        """A rank for a worker that joins the running job (the servers watch the counter)."""
+        s = cfg.strategy
+        if store.check([KEYS.drained(0)]):
+            raise ConfigError("the job has already finished: its servers drained; start a new job")
+        if not (s.consistency == "bsp" or (s.consistency == "ssp" and s.staleness == 0)):
+            return cfg.cluster.workers + store.add(KEYS.joined, 1) - 1
+        raise ConfigError(f"a --consistency {cfg.strategy.consistency} job admits no workers after the start: "
+                          f"a synchronous barrier cannot grow; run the job with asp, ssp or softsync")
+
+    # --- worker side ----------------------------------------------------------------------
+
+    def setup(self, model: nn.Module, loss_fn: LossFn, ctx: Context) -> None:
+        cfg, s = ctx.cfg, ctx.cfg.strategy
+        self.model, self.loss_fn, self.ctx, self.cfg = model, loss_fn, ctx, cfg
+        self.rank = ctx.info.rank
+        self.synchronous = is_synchronous(s.consistency, cfg.cluster.workers, s.staleness, s.softsync)
+        self.fetch_every, self.push_every = s.fetch_every, s.push_every
+        module = _sparse_module(model) if ctx.device.type == "cpu" else None
+        self.table_module = module
+        self.table = module.weight.data if module is not None else None
+        dense = [p for p in model.parameters() if module is None or p is not module.weight]
+        dtypes = {p.dtype for p in dense} | ({module.weight.dtype} if module is not None else set())
+        if len(dtypes) > 1:
+            raise ConfigError(f"strategy ps keeps the model as one flat buffer and needs one parameter dtype, "
+                              f"got {sorted(map(str, dtypes))}: cast the model to one dtype")
+        dtype = dtypes.pop() if dtypes else torch.float32
+        numel = sum(p.numel() for p in dense)
+        # Dense parameters become views of one flat buffer (on CPU; elsewhere it is a staging copy).
+        self.on_cpu = ctx.device.type == "cpu"
+        self.dense = dense
+        self.flat = torch.cat([p.detach().reshape(-1).cpu() for p in dense]) if dense else torch.empty(0, dtype=dtype)
+        self.gflat = torch.zeros_like(self.flat)
+        offset = 0
+        self.views: list[tuple[nn.Parameter, torch.Tensor]] = []
+        for p in dense:
+            view, grad = self.flat[offset:offset + p.numel()].view_as(p), self.gflat[offset:offset + p.numel()]
+            if self.on_cpu:
+                p.data = view
+            self.views.append((p, grad.view_as(p)))
+            offset += p.numel()
+        if module is not None:
+            module.sparse = True  # backward yields the rows the batch touched, not a [rows, width] tensor
+        rows, width = (self.table.shape[0], self.table.shape[1]) if module is not None else (0, 0)
+        self.heartbeat = Heartbeat(ctx.store, self.rank, cfg.cluster.peer_timeout / 5)
+        self.client = PSClient(ctx.store, self.rank, num_servers(cfg), numel=numel, dtype=dtype, rows=rows,
+                               width=width, traffic=ctx.traffic, timeout=cfg.cluster.timeout, net=cfg.cluster.net)
+        try:
+            self.client.connect()
+            self.client.init(self.flat, self.table)
+        except BaseException:
+            # The runner calls close() only after a successful setup.
+            self.client.close()
+            self.heartbeat.stop(cfg.cluster.timeout)
+            raise
+        self._load()
+        self.init_versions = list(self.client.versions)
+        self.steps = 0
+        self.clock = 0                      # pushes so far
+        self.fresh = True                   # the replica holds weights fetched after the last push
+        self.acc_count = 0
+        self.acc_versions = list(self.client.versions)
+        self.acc_dense = torch.zeros_like(self.flat) if self.push_every > 1 else None
+        self.acc_rows: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.finished = False
+
+    def _load(self) -> None:
+        """After a pull: make the model's parameters hold the flat buffer (a no-op on CPU)."""
+        if not self.on_cpu:
+            offset = 0
+            with torch.no_grad():
+                for p in self.dense:
+                    p.copy_(self.flat[offset:offset + p.numel()].view_as(p))
+                    offset += p.numel()
+
+    def _gather_grads(self) -> None:
+        """Make the flat gradient hold every dense parameter's gradient."""
+        for p, view in self.views:
+            if p.grad is None:
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad.reshape(view.shape))
+                if self.on_cpu:
+                    p.grad = view  # accumulate in place from now on
+
+    def _row_grads(self, keys: torch.Tensor) -> torch.Tensor:
+        """The table's gradient as rows [len(keys), width], checking it touched only ``keys``."""
+        grad = self.table_module.weight.grad
+        rows = torch.zeros(len(keys), self.table.shape[1], dtype=self.table.dtype)
+        if grad is None:
+            return rows
+        grad = grad.coalesce() if grad.is_sparse else grad.to_sparse().coalesce()
+        index, values = grad.indices()[0], grad.values()
+        where = torch.searchsorted(keys, index)
+        if len(index) and (bool((where >= len(keys)).any()) or not torch.equal(keys[where], index)):
+            raise ConfigError("the model's embedding is not looked up by the input ids, so strategy ps cannot "
+                              "tell which rows a batch touches: use a model whose only embedding takes the "
+                              "input ids (like logreg), or one with no single embedding table")
+        rows.index_add_(0, where, values.to(rows.dtype))
+        return rows
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> StepStats:
+        fetch = self.steps % self.fetch_every == 0
+        keys = None
+        if self.table is not None:
+            keys = torch.unique(x.cpu())
+            if len(keys) and (int(keys[0]) < 0 or int(keys[-1]) >= self.table.shape[0]):
+                raise ConfigError(f"input ids must lie in [0, {self.table.shape[0]}), the rows of the model's "
+                                  f"embedding; got ids from {int(keys[0])} to {int(keys[-1])}")
+            if fetch:
+                self.client.sparse_pull(self.flat, self.table, keys, self.clock)
+                self._load()
+        elif fetch and not self.fresh:
+            self.client.pull(self.flat, self.clock)
+            self._load()
+        self.fresh = False
+        if self.acc_count == 0:
+            self.acc_versions = list(self.client.versions)
+        for p in self.model.parameters():
+            p.grad = None
+        for p, view in self.views:
+            view.zero_()
+            if self.on_cpu:
+                p.grad = view
+        with self.ctx.emulator.compute():
+            loss = self.loss_fn(self.model, x, y)
+            loss.backward()
+        value = loss.item()
+        if not math.isfinite(value):
+            return StepStats(loss=value)  # never push a diverged gradient; the runner stops this worker
+        self._gather_grads()
+        rows = self._row_grads(keys) if keys is not None else None
+        reply = self._accumulate_and_push(keys, rows)
+        self.steps += 1
+        if self.table is not None and self.rank == 0 and self.cfg.run.eval_every \
+                and self.steps % self.cfg.run.eval_every == 0:
+            self._pull_all()  # the runner snapshots worker 0's replica now: refresh every row
+        return StepStats(loss=value, staleness=reply.staleness() if reply is not None else None)
+
+    def _accumulate_and_push(self, keys: torch.Tensor | None, rows: torch.Tensor | None) -> Reply | None:
+        if self.push_every > 1:
+            self.acc_dense.add_(self.gflat)
+        if keys is not None:
+            self.acc_rows.append((keys, rows))
+        self.acc_count += 1
+        if self.acc_count < self.push_every:
+            return None
+        return self._push()
+
+    def _push(self) -> Reply:
+        """Push what was accumulated (the mean over its steps), fused with the next fetch when one is due."""
+        grad, keys, rows = self.gflat, None, None
+        if self.push_every > 1:
+            grad = self.acc_dense.div_(self.acc_count)
+        if self.table is not None:
+            if len(self.acc_rows) == 1:
+                keys, rows = self.acc_rows[0]
+            else:
+                keys, rows = _merge_rows(self.acc_rows, self.table.shape[1], self.table.dtype)
+                rows.div_(self.acc_count)
+        if self.table is not None:
+            reply = self.client.sparse_push(grad, keys, rows, self.clock, self.acc_versions)
+        elif (self.steps + 1) % self.fetch_every == 0:
+            reply = self.client.push_pull(grad, self.flat, self.clock, self.acc_versions)
+            self._load()
+            self.fresh = True
+        else:
+            reply = self.client.push(grad, self.clock, self.acc_versions)
+        self.clock += 1
+        self.acc_count = 0
+        if self.acc_dense is not None:
+            self.acc_dense.zero_()
+        self.acc_rows = []
+        return reply
+
+    def _pull_all(self) -> None:
+        """Fetch every dense element and every row of the table."""
+        if self.table is not None:
+            self.client.sparse_pull(self.flat, self.table, torch.arange(self.table.shape[0]), self.clock)
+        else:
+            self.client.pull(self.flat, self.clock)
+        self._load()
+
+    def global_model(self) -> nn.Module:
+        return self.model
+
+    def agree(self, flag: bool) -> bool:
+        if flag:
+            self.ctx.store.set(_STOP_KEY, "1")
+        return self.ctx.store.check([_STOP_KEY])
+
+    def final_model(self, rank: int) -> nn.Module | None:
+        """Leave the live set, wait until every other worker has too, and let one survivor
+        (the lowest-ranked) pull and return the final model."""
+        if self.acc_count:
+            self._push()  # gradients computed since the last push are not thrown away
+        self.client.signal(Op.BYE, self.clock)
+        evaluator = self.client.wait_drained(self.cfg.cluster.peer_timeout)
+        if evaluator == self.rank:
+            self._pull_all()
+        self.client.signal(Op.SHUTDOWN, self.clock)
+        self.finished = True
+        self.client.close()
+        return self.model if evaluator == self.rank else None
+
+    def final_record(self) -> dict[str, Any]:
+        return {"pushes": self.clock, "acks": list(self.client.acks), "init_versions": self.init_versions}
+
+    def close(self) -> None:
+        self.heartbeat.stop(self.cfg.cluster.timeout)
+        if not self.finished:
+            self.client.close()
+
+
+def _merge_rows(parts: list[tuple[torch.Tensor, torch.Tensor]], width: int, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum row gradients over several steps: (sorted unique keys, rows)."""
+    if not parts:
+        return torch.empty(0, dtype=torch.int64), torch.empty(0, width, dtype=dtype)
+    keys = torch.cat([k for k, _ in parts])
+    unique, inverse = torch.unique(keys, return_inverse=True)
+    rows = torch.zeros(len(unique), width, dtype=dtype).index_add_(0, inverse, torch.cat([r for _, r in parts]))
+    return unique, rows
