@@ -12,7 +12,9 @@ release the GIL while they move or add numbers, so threads overlap their transfe
 Consistency. Every push goes to the pure gate of ``consistency.py``, which returns the
 groups to apply now; each group is averaged in rank order and applied once with the
 server optimizer (``optimizers.py``), which counts one version. A read (a pull, or the
-answer to a fused push-and-pull) waits until the gate's ``may_serve`` allows it.
+answer to a fused push-and-pull) waits until the gate's ``may_serve`` allows it. An update
+writes the new weights into a spare buffer, which then becomes current, so every reply is
+sent, without a copy, from the buffer of one version while later updates go elsewhere.
 
 Membership. The initial workers are live from the start (a BSP barrier waits for a worker
 that is still starting); a worker that joins later registers through the store

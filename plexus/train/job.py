@@ -103,6 +103,9 @@ def run_local(cfg: JobConfig, poll: Callable[[Path], None] | None = None, sink=N
         shutil.rmtree(cache, ignore_errors=True)
     if status != 0:
         raise JobFailed(f"the job failed (status {status}); see the messages above", exit_code=status)
+    if len(lost.get("worker", [])) == cfg.cluster.workers:
+        raise JobFailed(f"every worker was lost ({cfg.cluster.workers} of {cfg.cluster.workers}); "
+                        f"nothing is left to finish the job", exit_code=1)
     summary = assemble_summary(cfg, collect_records(cfg, _job_store(store, token), lost), lost)
     write_summary(run_dir, summary)
     _write_report(run_dir)
