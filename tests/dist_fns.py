@@ -21,23 +21,27 @@ def allreduce_check(group, algorithm: str, length: int, dtype: str, op: str = "s
     return {"max_err": err, "dtype": str(tensor.dtype), "shape": list(tensor.shape)}
 
 
-def train_cases(group, cases: list[dict]) -> None:
+def train_cases(group, cases: list[dict]) -> list[dict]:
     """Run the real training loop once per case (flat config with an ``out`` folder),
-    each in its own store namespace, in the processes of an already spawned job."""
+    each in its own store namespace, in the processes of an already spawned job; return
+    this worker's final record of every case (bytes sent, strategy fields, ...)."""
     import torch.distributed as dist
     from pathlib import Path
 
-    from plexus.cluster.rendezvous import ProcessInfo
+    from plexus.cluster.rendezvous import ProcessInfo, store_get_json
     from plexus.config import JobConfig
     from plexus.train.runner import worker_main
 
     info = ProcessInfo.from_env()
+    records = []
     for i, flat in enumerate(cases):
         cfg = JobConfig.from_flat({**flat, "workers": group.size})
         store = dist.PrefixStore(f"case{i}/", group.store)
         out = Path(flat["out"])
         out.mkdir(parents=True, exist_ok=True)
         worker_main(cfg, info, store, out)
+        records.append(store_get_json(store, f"stats/worker/{info.rank}"))
+    return records
 
 
 def recv_timeout(group, timeout: float) -> str:
