@@ -83,13 +83,11 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-@pytest.mark.usefixtures("one_thread")
-def test_mlp_learns_digits() -> None:
-    data = _data("digits")
-    net = _build("mlp", data, hidden=64)
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+def _sgd_test_accuracy(net: torch.nn.Module, data, lr: float, steps: int) -> float:
+    """Train ``net`` with plain SGD on seeded batches of 64, then return its test accuracy."""
+    opt = torch.optim.SGD(net.parameters(), lr=lr)
     g = torch.Generator().manual_seed(0)
-    for _ in range(300):
+    for _ in range(steps):
         idx = torch.randint(0, len(data.x_train), (64,), generator=g)
         loss = F.cross_entropy(net(data.x_train[idx]), data.y_train[idx])
         opt.zero_grad()
@@ -97,6 +95,14 @@ def test_mlp_learns_digits() -> None:
         opt.step()
     with torch.no_grad():
         accuracy = (net(data.x_test).argmax(1) == data.y_test).float().mean().item()
+    return accuracy
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_mlp_learns_digits() -> None:
+    data = _data("digits")
+    net = _build("mlp", data, hidden=64)
+    accuracy = _sgd_test_accuracy(net, data, lr=0.1, steps=300)
     assert accuracy > 0.9
 
 
@@ -104,16 +110,7 @@ def test_mlp_learns_digits() -> None:
 def test_logreg_learns_sparse_above_majority_rate() -> None:
     data = _data("sparse", 20_000)
     net = _build("logreg", data)
-    opt = torch.optim.SGD(net.parameters(), lr=0.5)
-    g = torch.Generator().manual_seed(0)
-    for _ in range(600):
-        idx = torch.randint(0, len(data.x_train), (64,), generator=g)
-        loss = F.cross_entropy(net(data.x_train[idx]), data.y_train[idx])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    with torch.no_grad():
-        accuracy = (net(data.x_test).argmax(1) == data.y_test).float().mean().item()
+    accuracy = _sgd_test_accuracy(net, data, lr=0.5, steps=600)
     majority = max(data.y_test.float().mean().item(), 1 - data.y_test.float().mean().item())
     assert accuracy > majority + 0.1
 
