@@ -214,6 +214,8 @@ class ClusterConfig:
                  "pass --device auto")
         _require(self.threads >= 0, "threads", "must be non-negative", self.threads, "pass --threads 1")
         for spec in (*self.slow, *self.kill):
+            if spec.role == "aggregator":
+                continue  # how many there are depends on the strategy's tree (checked there)
             count = self.workers if spec.role == "worker" else self.servers
             _require(spec.rank < count, f"--{'slow' if isinstance(spec, SlowSpec) else 'kill'}",
                      f"must name an existing {spec.role} (there are {count})", f"{spec.role}:{spec.rank}",

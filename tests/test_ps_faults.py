@@ -126,5 +126,5 @@ def test_monitor_drops_silent_and_absent_workers(tmp_path):
     assert not thread.is_alive()
     assert time.monotonic() - start < 15
     assert "no heartbeat" in result["lost"]["1"]
-    assert set(result["lost"]) == {"0", "1"} and store.check([KEYS.lost(1)])
+    assert set(result["lost"]) == {"0", "1"} and store.check([KEYS.lost("worker 1")])
     assert json.loads(store.get(KEYS.drained(0)))["evaluator"] == -1

@@ -52,7 +52,7 @@ def _tamper(index: int, value: int, resign: bool = True) -> torch.Tensor:
     (_tamper(1, 99), "unknown operation 99"),                      # unknown op
     (_tamper(0, 12345), "magic"),                                  # not our protocol
     (_tamper(5, 8, resign=False), "checksum"),                     # garbled
-    (encode(_request())[:HEADER_LEN - 3], "not 16 int64"),         # too short (exact buffer)
+    (encode(_request())[:HEADER_LEN - 3], f"not {HEADER_LEN} int64"),         # too short (exact buffer)
     (_tamper(7, -4), "negative count"),                            # negative length
     (_tamper(14, 9), "unknown status"),
 ])
@@ -64,7 +64,7 @@ def test_decode_rejects_malformed_headers(message, words):
 def test_decode_detects_long_and_short_headers_in_a_receive_buffer():
     long = header_buffer()
     long[:HEADER_LEN + 4] = torch.cat([encode(_request()), torch.arange(4)])
-    with pytest.raises(ProtocolError, match="longer than 16"):
+    with pytest.raises(ProtocolError, match=f"longer than {HEADER_LEN}"):
         decode(long, "worker 3")
     short = header_buffer()
     short[:HEADER_LEN - 2] = encode(_request())[:HEADER_LEN - 2]
@@ -358,7 +358,7 @@ def test_server_divides_the_lr_of_stale_pushes_with_staleness_lr():
         server._layout(Header(op=Op.INIT, sender=0, shard=0, total=3, dtype=1), "worker 0")
         server.optimizer = make_server_optimizer(cfg.optim, 3)
         server.version = 4
-        server._apply([[Push(0, 0, 0, _Payload(torch.ones(3), None, None))]])
+        server._apply([[Push(0, 0, 0, _Payload(torch.ones(3), None, None, [(0, 0)]))]])
         moved[flag] = -server.params[0].item()
         assert server.histogram.counts == [0, 0, 0, 0, 1] and server.version == 5
     assert moved == {False: 1.0, True: 0.25}

@@ -16,7 +16,7 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -55,12 +55,20 @@ class Reply:
 
 class PSClient:
     """Worker ``rank``'s connection to ``servers`` servers holding a model of ``numel``
-    dense elements (and a sparse table of ``rows`` x ``width``)."""
+    dense elements (and a sparse table of ``rows`` x ``width``).
+
+    In a tree (``tree.py``) the client may be an aggregator (``name``), and its parent
+    may be an aggregator (``parent``) rather than the servers: then one link carries the
+    messages of every shard, in shard order, and the parent answers them in that order.
+    ``sender`` is the client's index among its parent's children (its rank by default)."""
 
     def __init__(self, store: dist.Store, rank: int, servers: int, *, numel: int, dtype: torch.dtype,
-                 rows: int = 0, width: int = 0, traffic: Traffic, timeout: float, net: NetSpec | None = None) -> None:
+                 rows: int = 0, width: int = 0, traffic: Traffic, timeout: float, net: NetSpec | None = None,
+                 sender: int | None = None, name: str | None = None, parent: str | None = None) -> None:
         self.store, self.rank, self.servers = store, rank, servers
-        self.me = f"worker {rank}"
+        self.me = name or f"worker {rank}"
+        self.sender = rank if sender is None else sender
+        self.parent = parent
         self.numel, self.dtype, self.rows, self.width = numel, dtype, rows, width
         self.traffic, self.timeout, self.net = traffic, timeout, net
         self.sharding = RangeSharding(numel, servers)
@@ -90,20 +98,24 @@ class PSClient:
 
     def _header(self, op: Op, server: int, clock: int = 0, version: int = 0, keys: int = 0) -> Header:
         start, stop = self.sharding.range(server)
-        return Header(op=op, sender=self.rank, shard=server, clock=clock, version=version, offset=start,
+        return Header(op=op, sender=self.sender, shard=server, clock=clock, version=version, offset=start,
                       count=stop - start, keys=keys, width=self.width if keys else 0, dtype=dtype_code(self.dtype),
                       total=self.numel, rows=self.rows)
 
     # --- connection -----------------------------------------------------------------------
 
     def connect(self) -> None:
-        """Open the links (each waits up to ``timeout`` for its server)."""
+        """Open the links (each waits up to ``timeout`` for its server, or for the parent)."""
+        if self.parent is not None:
+            link = Link(self.store, self.me, self.parent, traffic=self.traffic, timeout=self.timeout, net=self.net)
+            self.links = [link] * self.servers
+            return
         for s in range(self.servers):
             self.links.append(Link(self.store, self.me, f"server {s}", traffic=self.traffic, timeout=self.timeout,
                                    net=self.net))
 
     def close(self) -> None:
-        for link in self.links:
+        for link in {id(link): link for link in self.links}.values():
             link.close()
         self.links = []
 
@@ -175,15 +187,29 @@ class PSClient:
                 table.index_copy_(0, keys, rows.view(len(keys), self.width))
         return reply
 
-    def push_pull(self, grad: torch.Tensor, flat: torch.Tensor, clock: int, versions: list[int]) -> Reply:
-        """Downpour's fused step: push ``grad``, receive the weights that answer it into ``flat``."""
+    def _push_request(self, op: Op, grad: torch.Tensor, server: int, clock: int, versions: list[int],
+                      members: list[torch.Tensor] | None) -> _Request:
+        """A push of ``grad``'s slice; a tree push also lists its ``members[server]``."""
+        part = self._dense_slice(grad, server)
+        header = self._header(op, server, clock, versions[server])
+        if members is not None:
+            header = replace(header, members=len(members[server]))
+        req = _Request(header, [part] if part.numel() else [])
+        if members is not None:
+            req.payloads.append(members[server].reshape(-1))
+        return req
+
+    def push_pull(self, grad: torch.Tensor, flat: torch.Tensor, clock: int, versions: list[int],
+                  members: list[torch.Tensor] | None = None) -> Reply:
+        """Downpour's fused step: push ``grad``, receive the weights that answer it into ``flat``.
+        ``members[s]``: for an aggregator, the (worker, clock, version) rows of the gradients
+        ``grad`` sums, per shard."""
         requests = []
         for s in range(self.servers):
-            req = _Request(self._header(Op.PUSH_PULL, s, clock, versions[s]))
-            part = self._dense_slice(grad, s)
+            req = self._push_request(Op.PUSH_PULL, grad, s, clock, versions, members)
+            part = self._dense_slice(flat, s)
             if part.numel():
-                req.payloads.append(part)
-                req.into.append(self._dense_slice(flat, s))
+                req.into.append(part)
             requests.append(req)
         reply = self._exchange(requests)
         for s, header in enumerate(reply.headers):
@@ -191,11 +217,9 @@ class PSClient:
             self.acks[s] += 1
         return reply
 
-    def push(self, grad: torch.Tensor, clock: int, versions: list[int]) -> Reply:
-        requests = []
-        for s in range(self.servers):
-            part = self._dense_slice(grad, s)
-            requests.append(_Request(self._header(Op.PUSH, s, clock, versions[s]), [part] if part.numel() else []))
+    def push(self, grad: torch.Tensor, clock: int, versions: list[int],
+             members: list[torch.Tensor] | None = None) -> Reply:
+        requests = [self._push_request(Op.PUSH, grad, s, clock, versions, members) for s in range(self.servers)]
         reply = self._exchange(requests)
         for s in range(self.servers):
             self.acks[s] += 1
@@ -274,20 +298,20 @@ class PSClient:
 
     def signal(self, op: Op, clock: int = 0) -> Reply:
         """A payload-free message to every shard: CLOCK, BYE or SHUTDOWN."""
-        return self._exchange([_Request(Header(op=op, sender=self.rank, shard=s, clock=clock,
+        return self._exchange([_Request(Header(op=op, sender=self.sender, shard=s, clock=clock,
                                                dtype=dtype_code(self.dtype), total=self.numel, rows=self.rows))
                                for s in range(self.servers)])
 
 
 class Heartbeat:
-    """Bumps ``ps/hb/worker/<rank>`` every ``interval`` seconds on its own store connection
-    (a blocking store call elsewhere must not hold the beats up), so servers can tell a
-    live worker from a silent one."""
+    """Bumps ``ps/hb/<role>/<rank>`` every ``interval`` seconds on its own store connection
+    (a blocking store call elsewhere must not hold the beats up), so servers and
+    aggregators can tell a live worker (or aggregator) from a silent one."""
 
-    def __init__(self, store: dist.Store, rank: int, interval: float) -> None:
-        self._store, self._key, self._interval = store.clone(), KEYS.heartbeat("worker", rank), interval
+    def __init__(self, store: dist.Store, rank: int, interval: float, role: str = "worker") -> None:
+        self._store, self._key, self._interval = store.clone(), KEYS.heartbeat(role, rank), interval
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"worker {rank} heartbeat", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"{role} {rank} heartbeat", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:

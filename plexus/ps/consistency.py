@@ -51,6 +51,9 @@ class Push(Generic[P]):
     clock: int      # the worker's clock before this push (its pushes so far)
     version: int    # server version the gradient was computed on
     payload: P
+    # Worker gradients the payload sums: 1 for a worker's push, more for an aggregator's
+    # (tree.py). softsync counts gradients, not pushes; the other gates apply per push.
+    weight: int = 1
 
 
 class Consistency(ABC):
@@ -103,6 +106,11 @@ class Consistency(ABC):
     def pending(self) -> int:
         """Pushes received but not yet applied."""
         return 0
+
+    def divisor(self, group: list[Push[P]]) -> int:
+        """What the sum of a group's payloads is divided by to make its update: the
+        gradients it holds (their mean)."""
+        return sum(p.weight for p in group)
 
     @abstractmethod
     def _on_push(self, push: Push[P]) -> list[list[Push[P]]]:
@@ -182,8 +190,14 @@ class BSP(Consistency):
 
 
 class SoftSync(Consistency):
-    """Average every ``n`` pushes into one update (n-softsync); a worker's read waits until
-    its own pushes have been applied."""
+    """Average every ``n`` gradients into one update (n-softsync); a worker's read waits
+    until its own pushes have been applied.
+
+    Pushes from aggregators carry several gradients (``Push.weight``): a group closes once
+    it holds at least ``n`` gradients, and its update is the sum divided by ``n``, so every
+    gradient moves the weights by lr / n however the tree batched it (a push of 2n
+    gradients makes one update as large as two). A partial group (see the module
+    docstring) is averaged over what it holds."""
 
     name = "softsync"
 
@@ -200,15 +214,22 @@ class SoftSync(Consistency):
 
     def _ready(self) -> list[list[Push[P]]]:
         groups = []
-        while len(self.queue) >= self.n:
-            groups.append(sorted(self.queue[:self.n], key=lambda p: (p.worker, p.clock)))
-            del self.queue[:self.n]
+        while sum(p.weight for p in self.queue) >= self.n:
+            size, held = 0, 0
+            while held < self.n:
+                held += self.queue[size].weight
+                size += 1
+            groups.append(sorted(self.queue[:size], key=lambda p: (p.worker, p.clock)))
+            del self.queue[:size]
         waiting = {p.worker for p in self.queue}
         if self.queue and all(w in waiting for w in self.clocks):
             # Every live worker waits on this group: nobody can complete it.
             groups.append(sorted(self.queue, key=lambda p: (p.worker, p.clock)))
             self.queue = []
         return groups
+
+    def divisor(self, group: list[Push[P]]) -> int:
+        return min(self.n, sum(p.weight for p in group))
 
     def may_serve(self, worker: int, clock: int) -> bool:
         return all(p.worker != worker for p in self.queue)

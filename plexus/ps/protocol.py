@@ -11,9 +11,9 @@ contract 5). Operations follow Li et al. 2014 (push and pull of key ranges and o
 op             request payloads                      reply payloads (status OK)
 =============  ====================================  ======================================
 INIT           dense values, keys, rows              dense params, rows (current values)
-PUSH           dense gradient                        none (acknowledgement)
+PUSH           dense gradient[, members]             none (acknowledgement)
 PULL           none                                  dense params
-PUSH_PULL      dense gradient                        dense params
+PUSH_PULL      dense gradient[, members]             dense params
 SPARSE_PUSH    dense gradient, keys, row gradients   none (acknowledgement)
 SPARSE_PULL    keys                                  dense params, rows
 CLOCK          none                                  none (heartbeat; reply says the state)
@@ -25,6 +25,12 @@ Header fields (``Field``): ``count`` dense elements starting at ``offset`` of th
 buffer, ``keys`` sparse rows of ``width`` elements each. A reply carries op REPLY, the
 server's version, and in ``staleness`` the staleness of the push it answers plus one
 (0: not known yet). Replies with a status other than OK carry no payload.
+
+Tree pushes. In a hierarchical PS (``tree.py``) an aggregator pushes the *sum* of several
+workers' gradients; its header says how many in ``members``, and a payload of ``members``
+x (worker, clock, version) int64 rows after the gradient says whose they are and which
+shard version each was computed on, so the root counts and measures every worker gradient
+(``members`` = 0 is a worker's own push: one gradient, the sender's).
 
 Robustness. gloo terminates the receiving *process* when a message is longer than the
 buffer posted for it (measured on torch 2.13: ``op.preamble.length <= op.nbytes`` is
@@ -48,13 +54,15 @@ from plexus.errors import ProtocolError
 
 __all__ = ["HEADER_LEN", "RECV_CAP", "MAGIC", "Op", "Status", "Header", "ShardSpec", "encode", "decode",
            "dtype_code", "code_dtype", "check_request", "check_reply", "request_payloads", "reply_payloads",
-           "header_buffer", "SENTINEL", "mark_payload", "payload_short"]
+           "header_buffer", "SENTINEL", "mark_payload", "payload_short", "MEMBER_FIELDS"]
 
-HEADER_LEN = 16
+HEADER_LEN = 17
 # Header receives use a buffer this many int64 long (32 KiB): see the module docstring.
 RECV_CAP = 4096
-MAGIC = 0x504C5853_0001  # "PLXS", protocol version 1
+MAGIC = 0x504C5853_0002  # "PLXS", protocol version 2
 SENTINEL = -0x5A5A5A5A5A5A5A5A
+# A tree push's members payload: (worker, clock, version) per worker gradient it sums.
+MEMBER_FIELDS = 3
 
 
 class Op(IntEnum):
@@ -118,6 +126,7 @@ class Header:
     rows: int = 0               # INIT: rows of the whole sparse table
     staleness: int = 0          # reply: staleness of the answered push + 1 (0: not known)
     status: int = Status.OK
+    members: int = 0            # tree push: worker gradients summed in the payload (0: one, the sender's)
 
     def describe(self) -> str:
         name = Op(self.op).name if self.op in Op._value2member_map_ else f"op {self.op}"
@@ -173,7 +182,7 @@ def decode(buffer: torch.Tensor, peer: str = "peer") -> Header:
         raise ProtocolError(f"{peer} sent an unknown operation {header.op}", peer=peer)
     if header.status not in Status._value2member_map_:
         raise ProtocolError(f"{peer} sent an unknown status {header.status}", peer=peer)
-    for name in ("clock", "version", "offset", "count", "keys", "width", "total", "rows", "staleness"):
+    for name in ("clock", "version", "offset", "count", "keys", "width", "total", "rows", "staleness", "members"):
         if getattr(header, name) < 0:
             raise ProtocolError(f"{peer} sent a negative {name} ({getattr(header, name)}) in {header.describe()}",
                                 peer=peer)
@@ -201,6 +210,7 @@ class ShardSpec:
 _DENSE_IN = {Op.INIT, Op.PUSH, Op.PUSH_PULL, Op.SPARSE_PUSH}
 _KEYS_IN = {Op.INIT, Op.SPARSE_PUSH, Op.SPARSE_PULL}
 _ROWS_IN = {Op.INIT, Op.SPARSE_PUSH}
+_MEMBERS_IN = {Op.PUSH, Op.PUSH_PULL}
 _DENSE_OUT = {Op.INIT, Op.PULL, Op.PUSH_PULL, Op.SPARSE_PULL}
 _ROWS_OUT = {Op.INIT, Op.SPARSE_PULL}
 
@@ -239,6 +249,8 @@ def check_request(header: Header, spec: ShardSpec, sender: int, peer: str) -> No
             raise bad(f"{header.keys} keys exceed the {spec.owned_rows} rows this shard owns")
     elif header.keys:
         raise bad(f"{op.name} carries no keys but the header announces {header.keys}")
+    if header.members and op not in _MEMBERS_IN:
+        raise bad(f"{op.name} carries no tree members but the header announces {header.members}")
     if op == Op.INIT and (header.total != spec.total or header.rows != spec.rows):
         raise bad(f"model layout ({header.total} dense elements, {header.rows} rows) differs from the job's "
                   f"({spec.total}, {spec.rows})")
@@ -266,6 +278,8 @@ def request_payloads(header: Header) -> list[tuple[int, torch.dtype]]:
         out.append((header.keys, torch.int64))
     if op in _ROWS_IN and header.keys:
         out.append((header.keys * header.width, dtype))
+    if op in _MEMBERS_IN and header.members:
+        out.append((header.members * MEMBER_FIELDS, torch.int64))
     return out
 
 

@@ -47,12 +47,12 @@ from plexus.config import JobConfig
 from plexus.errors import CommError, CommTimeout, ProtocolError
 from plexus.ps.consistency import Consistency, Push, make_consistency
 from plexus.ps.optimizers import ServerOptimizer, make_server_optimizer
-from plexus.ps.protocol import (SENTINEL, Header, Op, ShardSpec, Status, check_request, code_dtype, decode, encode,
+from plexus.ps.protocol import (MEMBER_FIELDS, SENTINEL, Header, Op, ShardSpec, Status, check_request, code_dtype, decode, encode,
                                 header_buffer, mark_payload, payload_short, request_payloads)
 from plexus.ps.sharding import HashRing, RangeSharding
 from plexus.ps.staleness import StalenessHistogram, staleness_lr_scale
 
-__all__ = ["ParameterServer", "KEYS", "VNODES"]
+__all__ = ["ParameterServer", "KEYS", "VNODES", "recv_payloads"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +70,19 @@ class KEYS:
         return f"ps/hb/{role}/{rank}"
 
     @staticmethod
-    def lost(worker: int) -> str:
-        return f"ps/lost/{worker}"
+    def heartbeat_of(name: str) -> str:
+        """The heartbeat key of the process called ``name`` (``worker 3``)."""
+        role, rank = name.split()
+        return KEYS.heartbeat(role, int(rank))
+
+    @staticmethod
+    def lost(name: str) -> str:
+        return f"ps/lost/{name}"
+
+    @staticmethod
+    def finished(worker: int) -> str:
+        """Set by a worker that finished training (before its BYE)."""
+        return f"ps/finished/{worker}"
 
     @staticmethod
     def drained(server: int) -> str:
@@ -87,6 +98,7 @@ class _Payload:
     dense: torch.Tensor | None
     rows: torch.Tensor | None         # local row indices
     grads: torch.Tensor | None        # [len(rows), width]
+    members: list[tuple[int, int]]    # (worker, version) of every gradient summed in ``dense``
 
 
 @dataclass
@@ -108,14 +120,46 @@ def _running(thread: threading.Thread | None) -> bool:
     return thread is not None and thread.is_alive() and thread is not threading.current_thread()
 
 
-class ParameterServer:
-    """Server ``index`` of ``cfg.cluster.servers``: holds one shard and serves every worker."""
+def recv_payloads(link: Link, header: Header, reuse: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Receive the payloads ``header`` announced (the dense one into ``reuse`` when it fits);
+    ProtocolError if one is shorter than announced (gloo accepts a short message silently:
+    its last element keeps our mark) or holds non-finite numbers (a diverged worker must not
+    poison the model)."""
+    out = []
+    for i, (numel, dtype) in enumerate(request_payloads(header)):
+        fits = i == 0 and header.count == numel and dtype.is_floating_point and reuse is not None \
+            and reuse.numel() == numel and reuse.dtype == dtype
+        buf = reuse if fits else torch.empty(numel, dtype=dtype)
+        mark_payload(buf)
+        link.recv_from_peer(buf)
+        if payload_short(buf):
+            raise ProtocolError(f"{link.peer} sent a payload shorter than {header.describe()} announced",
+                                peer=link.peer)
+        # One sum instead of an elementwise test (torch.isfinite(x).all() is 30x slower on
+        # a CPU thread): it is non-finite when any element is, or when the elements are
+        # so large that they overflow, which a sane gradient never does either.
+        if dtype.is_floating_point and not bool(torch.isfinite(buf.sum())):
+            raise ProtocolError(f"{link.peer} sent non-finite values with {header.describe()}: its training "
+                                f"diverged; lower --lr", peer=link.peer)
+        out.append(buf)
+    return out
 
-    def __init__(self, store: dist.Store, index: int, cfg: JobConfig, traffic: Traffic) -> None:
+
+class ParameterServer:
+    """Server ``index`` of ``cfg.cluster.servers``: holds one shard and serves every worker.
+
+    ``children`` names the processes that talk to it, in sender order: by default the
+    workers; at the root of a tree (``tree.py``) the root's children, aggregators or
+    workers, which may push the sums of several workers' gradients (tree pushes)."""
+
+    def __init__(self, store: dist.Store, index: int, cfg: JobConfig, traffic: Traffic,
+                 children: list[str] | None = None) -> None:
         self.store, self.index, self.cfg, self.traffic = store, index, cfg, traffic
         self.me = f"server {index}"
         self.servers = max(1, cfg.cluster.servers)
-        self.workers = cfg.cluster.workers
+        self.names = children if children is not None else [f"worker {w}" for w in range(cfg.cluster.workers)]
+        self.tree = children is not None
+        self.workers = len(self.names)
         self.timeout, self.peer_timeout = cfg.cluster.timeout, cfg.cluster.peer_timeout
         # A worker may legitimately be silent between two messages for a store barrier (up to
         # --timeout) plus a step; a gloo receive that times out breaks its pair for good.
@@ -138,6 +182,8 @@ class ParameterServer:
         self.optimizer: ServerOptimizer | None = None
         self.version = 0
         self.histogram = StalenessHistogram()
+        self.gradients: dict[int, int] = {}    # worker rank -> its gradients applied
+        self.fan_in: dict[int, int] = {}       # distinct senders in an update -> updates
         self.protocol_errors = 0
         self.joined: dict[int, int] = {}   # worker -> shard version it started from
         self.lost: dict[int, str] = {}
@@ -167,6 +213,11 @@ class ParameterServer:
                     done, drained = self._done(), self.drained
                     record = {"evaluator": self.evaluator, "version": self.version}
                 if drained and not published:
+                    if self.tree:
+                        # The root's children are aggregators: the evaluator is the lowest-ranked
+                        # worker that finished.
+                        record["evaluator"] = next((w for w in range(self.cfg.cluster.workers)
+                                                    if self.store.check([KEYS.finished(w)])), -1)
                     # Workers wait for this record before they pull the final model and shut down.
                     self.store.set(KEYS.drained(self.index), json.dumps(record))
                     published = True
@@ -196,6 +247,9 @@ class ParameterServer:
             return {
                 "version": self.version, "dense_elements": self.spec.count if self.spec else 0,
                 "owned_rows": len(self.owned_keys),
+                "children": list(self.names),
+                "gradients": {str(w): n for w, n in sorted(self.gradients.items())},
+                "fan_in_counts": {str(k): n for k, n in sorted(self.fan_in.items())},
                 "applied": {str(w): p.applied for w, p in sorted(self.peers.items())},
                 "acked": {str(w): p.acked for w, p in sorted(self.peers.items())},
                 "staleness_counts": list(self.histogram.counts),
@@ -226,8 +280,8 @@ class ParameterServer:
             with self.cond:
                 watched = [w for w, p in self.peers.items() if p.state in (EXPECTED, ACTIVE, FINISHED)]
             for w in watched:
-                beats = store.add(KEYS.heartbeat("worker", w), 0)
-                if store.check([KEYS.lost(w)]):
+                beats = store.add(KEYS.heartbeat_of(self.names[w]), 0)
+                if store.check([KEYS.lost(self.names[w])]):
                     self._lose(w, "declared lost by another server", announce=False)
                     continue
                 with self.cond:
@@ -249,6 +303,7 @@ class ParameterServer:
         with self.cond:
             if worker in self.peers:
                 return
+            self.names.append(f"worker {worker}")
             if self.drained:  # too late: the job is over (it will be refused at INIT anyway)
                 self.peers[worker] = _Worker(CLOSED, time.monotonic())
                 return
@@ -273,12 +328,12 @@ class ParameterServer:
             self.cond.notify_all()
             lost = peer.state == LOST
         if lost:
-            logger.warning("%s: lost worker %d (%s); %d live", self.me, worker, reason, len(self.gate.live()))
+            logger.warning("%s: lost %s (%s); %d live", self.me, self.names[worker], reason, len(self.gate.live()))
             if announce:
                 try:
-                    self.store.clone().set(KEYS.lost(worker), reason)
+                    self.store.clone().set(KEYS.lost(self.names[worker]), reason)
                 except RuntimeError as exc:  # the store is the launcher's; if it is gone the job is over
-                    logger.warning("%s: could not announce the loss of worker %d: %s", self.me, worker, exc)
+                    logger.warning("%s: could not announce the loss of %s: %s", self.me, self.names[worker], exc)
 
     def _check_drained(self) -> None:
         """Under the lock: no worker live or expected and nothing pending means drained."""
@@ -294,7 +349,7 @@ class ParameterServer:
     # --- one link ------------------------------------------------------------------------
 
     def _serve_worker(self, worker: int) -> None:
-        peer_name = f"worker {worker}"
+        peer_name = self.names[worker]
         try:
             link = Link(self.store.clone(), self.me, peer_name, traffic=self.traffic, timeout=self.timeout,
                         net=self.cfg.cluster.net)
@@ -335,27 +390,9 @@ class ParameterServer:
             pass
 
     def _recv_payloads(self, link: Link, header: Header, peer: _Worker) -> list[torch.Tensor]:
-        """Receive the payloads ``header`` announced; ProtocolError if one is shorter than
-        announced (gloo accepts a short message silently: its last element keeps our
-        mark) or holds non-finite numbers (a diverged worker must not poison the model)."""
-        out = []
-        for i, (numel, dtype) in enumerate(request_payloads(header)):
-            reuse = i == 0 and header.count == numel and dtype.is_floating_point
-            if reuse and (peer.rx is None or peer.rx.numel() != numel or peer.rx.dtype != dtype):
-                peer.rx = torch.empty(numel, dtype=dtype)
-            buf = peer.rx if reuse else torch.empty(numel, dtype=dtype)
-            mark_payload(buf)
-            link.recv_from_peer(buf)
-            if payload_short(buf):
-                raise ProtocolError(f"{link.peer} sent a payload shorter than {header.describe()} announced",
-                                    peer=link.peer)
-            # One sum instead of an elementwise test (torch.isfinite(x).all() is 30x slower on
-            # a CPU thread): it is non-finite when any element is, or when the elements are
-            # so large that they overflow, which a sane gradient never does either.
-            if dtype.is_floating_point and not bool(torch.isfinite(buf.sum())):
-                raise ProtocolError(f"{link.peer} sent non-finite values with {header.describe()}: its training "
-                                    f"diverged; lower --lr", peer=link.peer)
-            out.append(buf)
+        out = recv_payloads(link, header, peer.rx)
+        if header.count and out and out[0].numel() == header.count and out[0].dtype.is_floating_point:
+            peer.rx = out[0]  # reused for the next push, unless the gate keeps it (see _push)
         return out
 
     def _handle(self, link: Link, worker: int, h: Header) -> bool:
@@ -371,6 +408,9 @@ class ParameterServer:
         if spec is None or state == EXPECTED:
             raise ProtocolError(f"{link.peer} sent {h.describe()} before INIT", peer=link.peer)
         check_request(h, spec, worker, link.peer)
+        if h.members > self.cfg.cluster.workers:
+            raise ProtocolError(f"{link.peer} announced {h.members} gradients in one push, more than the job's "
+                                f"{self.cfg.cluster.workers} workers", peer=link.peer)
         payloads = self._recv_payloads(link, h, peer)
         op = Op(h.op)
         if op in (Op.PUSH, Op.PUSH_PULL, Op.SPARSE_PUSH):
@@ -485,23 +525,41 @@ class ParameterServer:
             raise ProtocolError(f"{peer} sent keys that server {self.index} does not own", peer=peer)
         return local
 
+    def _members(self, worker: int, h: Header, payload: torch.Tensor | None) -> list[tuple[int, int]]:
+        """(worker rank, version) of each gradient a push holds; ProtocolError for
+        versions ahead of the shard or workers the job does not have."""
+        name = self.names[worker]
+        role, rank = name.split()
+        if payload is None:
+            if role != "worker":
+                raise ProtocolError(f"{name} pushed without listing whose gradients it sums", peer=name)
+            members = [(int(rank), h.version)]
+        else:
+            table = payload.view(h.members, MEMBER_FIELDS)
+            members = list(zip(table[:, 0].tolist(), table[:, 2].tolist()))
+            if not all(0 <= r < self.cfg.cluster.workers for r, _ in members):
+                raise ProtocolError(f"{name} pushed gradients of workers the job does not have", peer=name)
+        if max(v for _, v in members) > self.version:
+            raise ProtocolError(f"{name} claims a version ahead of the shard's {self.version}", peer=name)
+        return members
+
     def _push(self, worker: int, h: Header, payloads: list[torch.Tensor]) -> None:
         spec = self.spec
+        name = self.names[worker]
         dense = payloads[0] if h.count else None
         rows = grads = None
         if h.op == Op.SPARSE_PUSH and h.keys:
-            rows = self._local_rows(payloads[-2], f"worker {worker}")
+            rows = self._local_rows(payloads[-2], name)
             grads = payloads[-1].view(h.keys, spec.width)
         with self.cond:
             peer = self.peers[worker]
-            if h.version > self.version:
-                raise ProtocolError(f"worker {worker} claims version {h.version}, ahead of the shard's "
-                                    f"{self.version}", peer=f"worker {worker}")
-            push = Push(worker, peer.base + h.clock, h.version, _Payload(dense, rows, grads))
+            members = self._members(worker, h, payloads[-1] if h.members else None)
+            push = Push(worker, peer.base + h.clock, h.version, _Payload(dense, rows, grads, members),
+                        weight=len(members))
             try:
                 groups = self.gate.push(push)
             except ValueError as exc:
-                raise ProtocolError(f"worker {worker}: {exc}", peer=f"worker {worker}") from None
+                raise ProtocolError(f"{name}: {exc}", peer=name) from None
             peer.pushed += 1
             if not any(p is push for group in groups for p in group):
                 peer.rx = None  # the gate holds this buffer until the push is applied
@@ -511,17 +569,19 @@ class ParameterServer:
     def _apply(self, groups: list[list[Push]]) -> None:
         """Under the lock: average each group in rank order and apply it as one update."""
         for group in groups:
-            stale = [self.version - p.version for p in group]
+            # Staleness per worker gradient (a tree push holds several).
+            stale = [self.version - v for p in group for _, v in p.payload.members]
             scale = staleness_lr_scale(stale) if self.cfg.strategy.staleness_lr else 1.0
+            divisor = self.gate.divisor(group)
             dense = [p.payload.dense for p in group if p.payload.dense is not None]
             if dense and self.optimizer is not None:
-                if len(group) == 1:
+                if len(dense) == 1 and divisor == 1:
                     grad = dense[0]
-                else:  # the mean, summed in rank order
+                else:  # the sum in rank order, divided: the mean of a flat PS's pushes
                     grad = dense[0].clone()
                     for more in dense[1:]:
                         grad.add_(more)
-                    grad.div_(len(group))
+                    grad.div_(divisor)
                 out = self._spare.pop() if self._spare else torch.empty_like(self.params)
                 self.optimizer.step(self.params, grad, scale, out=out)
                 self._retire(self.params)
@@ -532,15 +592,19 @@ class ParameterServer:
                 grads = torch.cat([p.grads for p in sparse])
                 unique, inverse = torch.unique(rows, return_inverse=True)
                 total = torch.zeros(len(unique), grads.shape[1], dtype=grads.dtype).index_add_(0, inverse, grads)
-                self.optimizer.step_rows(self.table, unique, total.div_(len(group)), scale)
+                self.optimizer.step_rows(self.table, unique, total.div_(divisor), scale)
             if self.optimizer is not None:
                 self.optimizer.tick()
-            self.version += 1
-            for p, s in zip(group, stale):
-                self.histogram.record(s)
+            senders = len({p.worker for p in group})
+            self.fan_in[senders] = self.fan_in.get(senders, 0) + 1
+            for p in group:
+                for rank, version in p.payload.members:
+                    self.histogram.record(self.version - version)
+                    self.gradients[rank] = self.gradients.get(rank, 0) + 1
                 peer = self.peers[p.worker]
                 peer.applied += 1
-                peer.staleness = s
+                peer.staleness = self.version - max(v for _, v in p.payload.members)
+            self.version += 1
 
     def _retire(self, buffer: torch.Tensor) -> None:
         """Under the lock: ``buffer`` is no longer current; reuse it once no reply uses it."""

@@ -117,7 +117,7 @@ class DownpourStrategy(Strategy):
             # What a worker that joins later needs: the job and where it writes.
             store_set_json(ctx.store, _JOB_KEY, {"config": ctx.cfg.to_dict(),
                                                  "run_dir": str(ctx.run_dir) if ctx.run_dir else None})
-        record = ParameterServer(ctx.store, rank, ctx.cfg, ctx.traffic).serve()
+        record = ParameterServer(ctx.store, rank, ctx.cfg, ctx.traffic, cls.root_children(ctx.cfg)).serve()
         store_set_json(ctx.store, f"stats/server/{rank}", record)
         if rank == 0:
             servers = num_servers(ctx.cfg)
@@ -129,6 +129,11 @@ class DownpourStrategy(Strategy):
             t0 = float(ctx.store.get("train/t0").decode()) if ctx.store.check(["train/t0"]) else time.time()
             ctx.log.log("staleness_histogram", time=time.time() - t0, counts=histogram.counts,
                         mean=histogram.mean, max=histogram.max)
+
+    @classmethod
+    def root_children(cls, cfg: JobConfig) -> list[str] | None:
+        """The processes that talk to the servers (None: the workers)."""
+        return None
 
     @classmethod
     def summary_fields(cls, cfg: JobConfig, records: dict[str, Any]) -> dict[str, Any]:
@@ -205,7 +210,7 @@ class DownpourStrategy(Strategy):
         self.rank = ctx.info.rank
         self.synchronous = is_synchronous(s.consistency, cfg.cluster.workers, s.staleness, s.softsync)
         self.fetch_every, self.push_every = s.fetch_every, s.push_every
-        module = _sparse_module(model) if ctx.device.type == "cpu" else None
+        module = self.table_of(model) if ctx.device.type == "cpu" else None
         self.table_module = module
         self.table = module.weight.data if module is not None else None
         dense = [p for p in model.parameters() if module is None or p is not module.weight]
@@ -233,7 +238,8 @@ class DownpourStrategy(Strategy):
         rows, width = (self.table.shape[0], self.table.shape[1]) if module is not None else (0, 0)
         self.heartbeat = Heartbeat(ctx.store, self.rank, cfg.cluster.peer_timeout / 5)
         self.client = PSClient(ctx.store, self.rank, num_servers(cfg), numel=numel, dtype=dtype, rows=rows,
-                               width=width, traffic=ctx.traffic, timeout=cfg.cluster.timeout, net=cfg.cluster.net)
+                               width=width, traffic=ctx.traffic, timeout=cfg.cluster.timeout, net=cfg.cluster.net,
+                               **self.uplink())
         try:
             self.client.connect()
             self.client.init(self.flat, self.table)
@@ -252,6 +258,14 @@ class DownpourStrategy(Strategy):
         self.acc_dense = torch.zeros_like(self.flat) if self.push_every > 1 else None
         self.acc_rows: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.finished = False
+
+    def table_of(self, model: nn.Module) -> nn.Module | None:
+        """The embedding table pushed and pulled by rows, if any."""
+        return _sparse_module(model)
+
+    def uplink(self) -> dict[str, Any]:
+        """Where this worker's client connects (PSClient's ``sender`` and ``parent``): the servers."""
+        return {}
 
     def _load(self) -> None:
         """After a pull: make the model's parameters hold the flat buffer (a no-op on CPU)."""
@@ -305,6 +319,20 @@ class DownpourStrategy(Strategy):
         self.fresh = False
         if self.acc_count == 0:
             self.acc_versions = list(self.client.versions)
+        value = self._backward(x, y)
+        if not math.isfinite(value):
+            return StepStats(loss=value)  # never push a diverged gradient; the runner stops this worker
+        rows = self._row_grads(keys) if keys is not None else None
+        reply = self._accumulate_and_push(keys, rows)
+        self.steps += 1
+        if self.table is not None and self.rank == 0 and self.cfg.run.eval_every \
+                and self.steps % self.cfg.run.eval_every == 0:
+            self._pull_all()  # the runner snapshots worker 0's replica now: refresh every row
+        return StepStats(loss=value, staleness=reply.staleness() if reply is not None else None)
+
+    def _backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """Forward and backward on the replica; the flat gradient holds the dense
+        gradients afterwards (unless the loss is not finite). Returns the loss."""
         for p in self.model.parameters():
             p.grad = None
         for p, view in self.views:
@@ -315,16 +343,9 @@ class DownpourStrategy(Strategy):
             loss = self.loss_fn(self.model, x, y)
             loss.backward()
         value = loss.item()
-        if not math.isfinite(value):
-            return StepStats(loss=value)  # never push a diverged gradient; the runner stops this worker
-        self._gather_grads()
-        rows = self._row_grads(keys) if keys is not None else None
-        reply = self._accumulate_and_push(keys, rows)
-        self.steps += 1
-        if self.table is not None and self.rank == 0 and self.cfg.run.eval_every \
-                and self.steps % self.cfg.run.eval_every == 0:
-            self._pull_all()  # the runner snapshots worker 0's replica now: refresh every row
-        return StepStats(loss=value, staleness=reply.staleness() if reply is not None else None)
+        if math.isfinite(value):
+            self._gather_grads()
+        return value
 
     def _accumulate_and_push(self, keys: torch.Tensor | None, rows: torch.Tensor | None) -> Reply | None:
         if self.push_every > 1:
@@ -383,6 +404,7 @@ class DownpourStrategy(Strategy):
         (the lowest-ranked) pull and return the final model."""
         if self.acc_count:
             self._push()  # gradients computed since the last push are not thrown away
+        self.ctx.store.set(KEYS.finished(self.rank), str(self.clock))
         self.client.signal(Op.BYE, self.clock)
         evaluator = self.client.wait_drained(self.cfg.cluster.peer_timeout)
         if evaluator == self.rank:
