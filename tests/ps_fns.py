@@ -16,31 +16,36 @@ from typing import Any
 import torch
 
 
-def ps_cases(group, workers: int, servers: int, cases: list[dict[str, Any]], timeout: float = 60.0) -> list:
-    """Run every case (a flat config with ``out``); worker 0 writes each case's summary.json."""
+def ps_cases(group, workers: int, servers: int, cases: list[dict[str, Any]], timeout: float = 60.0,
+             aggregators: int = 0) -> list:
+    """Run every case (a flat config with ``out``); worker 0 writes each case's summary.json.
+    Processes are the workers, then the servers, then the aggregators (tree-ps)."""
     import torch.distributed as dist
 
     from plexus.cluster.rendezvous import ProcessInfo
     from plexus.config import JobConfig
+    from plexus.strategies import strategy_class
     from plexus.train.data import load_dataset
     from plexus.train.runner import role_main, worker_main
     from plexus.train.summary import assemble_summary, collect_records
 
     base = ProcessInfo.from_env()
     me = group.rank
-    role, rank = ("worker", me) if me < workers else ("server", me - workers)
+    role, rank = ("worker", me) if me < workers else ("server", me - workers) if me < workers + servers \
+        else ("aggregator", me - workers - servers)
     datasets: dict[tuple, Any] = {}
     done = []
     for i, flat in enumerate(cases):
         cfg = JobConfig.from_flat(flat)
-        count = cfg.cluster.workers if role == "worker" else max(1, cfg.cluster.servers)
+        counts = {"worker": cfg.cluster.workers, **dict(strategy_class(cfg.strategy.strategy).extra_roles(cfg))}
+        count = counts.get(role, 0)
         if rank >= count:
             continue
         store = dist.PrefixStore(f"case{i}/", group.store)
         out = Path(flat["out"])
         out.mkdir(parents=True, exist_ok=True)
         info = dataclasses.replace(base, role=role, rank=rank, world_size=cfg.cluster.workers)
-        if role == "server":
+        if role != "worker":
             role_main(cfg, info, store, out)
         else:
             key = (cfg.data.dataset, cfg.data.num_samples, cfg.run.seed)

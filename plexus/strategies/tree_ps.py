@@ -245,13 +245,31 @@ class _WeightTree:
         self.threads = [threading.Thread(target=self._guard, args=(self._push_loop,), name="pusher", daemon=True),
                         threading.Thread(target=self._guard, args=(self._fetch_loop,), name="fetcher",
                                          daemon=True)]
+        # The weight links are made here, in tree order (first the one to our parent, then
+        # those to our children), which cannot deadlock; gloo groups made concurrently by
+        # threads of one process can.
+        self.link = self._link(self.tree.weight_parent(self.rank))
         self.children: list[threading.Thread] = []
         for child in self.tree.weight_children(self.rank):
-            thread = threading.Thread(target=self._serve_child, args=(child,), name=f"weights -> worker {child}",
-                                      daemon=True)
-            self.children.append(thread)
+            link = self._link(child)
+            if link is not None:
+                self.children.append(threading.Thread(target=self._serve_child, args=(link,),
+                                                      name=f"weights -> worker {child}", daemon=True))
         for thread in self.threads + self.children:
             thread.start()
+
+    def _link(self, peer: int | None) -> Link | None:
+        """The weight link to worker ``peer`` (None if there is none or it cannot be made)."""
+        if peer is None:
+            return None
+        try:
+            return Link(self.w.ctx.store, f"worker {self.rank}", f"worker {peer}", traffic=self.w.ctx.traffic,
+                        timeout=self.timeout, net=self.w.cfg.cluster.net, tag="weights")
+        except CommError as exc:
+            logger.warning("worker %d: no weight link to worker %d (%s)", self.rank, peer, exc)
+            if peer == self.tree.weight_parent(self.rank):
+                self.fallback = True
+            return None
 
     def _guard(self, loop) -> None:
         try:
@@ -325,16 +343,7 @@ class _WeightTree:
         self.fetches += 1
 
     def _fetch_loop(self) -> None:
-        parent = self.tree.weight_parent(self.rank)
-        link = None
-        if parent is not None:
-            try:
-                link = Link(self.w.ctx.store, f"worker {self.rank}", f"worker {parent}", traffic=self.w.ctx.traffic,
-                            timeout=self.timeout, net=self.w.cfg.cluster.net, tag="weights")
-            except CommError as exc:
-                logger.warning("worker %d: no weight link to worker %d (%s); pulling from the tree", self.rank,
-                               parent, exc)
-                self.fallback = True
+        parent, link = self.tree.weight_parent(self.rank), self.link
         answer = torch.empty(HEADER_LEN, dtype=torch.int64)
         versions = torch.empty(self.w.client.servers, dtype=torch.int64)
         try:
@@ -371,15 +380,9 @@ class _WeightTree:
                     pass
                 link.close()
 
-    def _serve_child(self, child: int) -> None:
+    def _serve_child(self, link: Link) -> None:
         """Answer a weight child's pulls with the newest weights we have, once they are newer
         than what it has (or after a short wait, so that its thread stays responsive)."""
-        try:
-            link = Link(self.w.ctx.store, f"worker {self.rank}", f"worker {child}", traffic=self.w.ctx.traffic,
-                        timeout=self.timeout, net=self.w.cfg.cluster.net, tag="weights")
-        except CommError as exc:
-            logger.warning("worker %d: weight child worker %d never connected (%s)", self.rank, child, exc)
-            return
         request = torch.empty(HEADER_LEN, dtype=torch.int64)
         try:
             while not self.stopping.is_set():
@@ -395,6 +398,6 @@ class _WeightTree:
                 link.send_to_peer(flat)
                 link.send_to_peer(torch.tensor(versions, dtype=torch.int64))
         except CommError as exc:
-            logger.info("worker %d: weight child worker %d left (%s)", self.rank, child, exc)
+            logger.info("worker %d: weight child %s left (%s)", self.rank, link.peer, exc)
         finally:
             link.close()
