@@ -88,6 +88,13 @@ def test_worker_joins_a_running_job_and_a_malformed_client_is_cut_off(tmp_path):
     assert summary["updates_applied"] == summary["pushes_acknowledged"]
     assert any(e["worker"] == joined for e in read_events(out, "train"))
     assert summary["final_test_accuracy"] > 0.5
+    # The joiner's steps count in the job's samples, and so do the others' at evaluations.
+    logged = {}
+    for e in read_events(out, "train"):
+        logged[e["worker"]] = max(logged.get(e["worker"], 0), e["step"])
+    assert summary["samples"] >= sum(logged.values()) * 16 and logged[joined] >= 40, (summary, logged)
+    evals = read_events(out, "eval")
+    assert evals and all(e["samples"] > e["step"] * 16 for e in evals[:-1] if e["step"] >= 200), evals
 
 
 @pytest.mark.parametrize("args, env, words", [

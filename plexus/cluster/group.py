@@ -133,10 +133,12 @@ class Endpoint:
         self.traffic.sent(name, nbytes)
         return Work(work, self, f"send of {nbytes} bytes", name)
 
-    def irecv(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> Work:
-        """Start receiving into ``tensor`` (contiguous) from member ``peer``."""
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int = 0, counted: int | None = None) -> Work:
+        """Start receiving into ``tensor`` (contiguous) from member ``peer``. ``counted``:
+        the bytes to count when the buffer is larger than the message it takes (a header
+        received into an oversized buffer); the buffer's size by default."""
         self._check_peer(peer)
-        nbytes = _nbytes(tensor)
+        nbytes = _nbytes(tensor) if counted is None else counted
         name = self.names[peer]
         try:
             work = self.pg.recv([tensor], peer, tag)
@@ -148,8 +150,9 @@ class Endpoint:
     def send(self, tensor: torch.Tensor, peer: int, tag: int = 0, timeout: float | None = None) -> None:
         self.isend(tensor, peer, tag).wait(timeout)
 
-    def recv(self, tensor: torch.Tensor, peer: int, tag: int = 0, timeout: float | None = None) -> None:
-        self.irecv(tensor, peer, tag).wait(timeout)
+    def recv(self, tensor: torch.Tensor, peer: int, tag: int = 0, timeout: float | None = None,
+             counted: int | None = None) -> None:
+        self.irecv(tensor, peer, tag, counted).wait(timeout)
 
     def recv_any(self, tensor: torch.Tensor, tag: int = 0, timeout: float | None = None) -> int:
         """Receive from whichever member sends first; returns its index."""
@@ -271,5 +274,6 @@ class Link(Endpoint):
     def send_to_peer(self, tensor: torch.Tensor, tag: int = 0, timeout: float | None = None) -> None:
         self.send(tensor, self.peer_index, tag, timeout)
 
-    def recv_from_peer(self, tensor: torch.Tensor, tag: int = 0, timeout: float | None = None) -> None:
-        self.recv(tensor, self.peer_index, tag, timeout)
+    def recv_from_peer(self, tensor: torch.Tensor, tag: int = 0, timeout: float | None = None,
+                       counted: int | None = None) -> None:
+        self.recv(tensor, self.peer_index, tag, timeout, counted)

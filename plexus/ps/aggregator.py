@@ -43,8 +43,8 @@ from plexus.cluster.traffic import Traffic
 from plexus.config import JobConfig
 from plexus.errors import CommError, ProtocolError
 from plexus.ps.client import Heartbeat, PSClient
-from plexus.ps.protocol import (MEMBER_FIELDS, SENTINEL, Header, Op, ShardSpec, Status, check_request, code_dtype,
-                                decode, encode, header_buffer)
+from plexus.ps.protocol import (HEADER_BYTES, MEMBER_FIELDS, SENTINEL, Header, Op, ShardSpec, Status, check_request,
+                                code_dtype, decode, encode, header_buffer)
 from plexus.ps.server import KEYS, recv_payloads
 from plexus.ps.sharding import RangeSharding
 from plexus.ps.tree import ROOT, Node, Tree
@@ -296,7 +296,7 @@ class Aggregator:
         out = []
         for s, buffer in enumerate(buffers):
             buffer.fill_(SENTINEL)
-            link.recv_from_peer(buffer, timeout=self.idle_limit)
+            link.recv_from_peer(buffer, timeout=self.idle_limit, counted=HEADER_BYTES)
             h = decode(buffer, link.peer)
             if out and h.op != out[0][0].op:
                 raise ProtocolError(f"{link.peer} mixed {Op(out[0][0].op).name} and {Op(h.op).name} in one "

@@ -52,11 +52,12 @@ import torch
 
 from plexus.errors import ProtocolError
 
-__all__ = ["HEADER_LEN", "RECV_CAP", "MAGIC", "Op", "Status", "Header", "ShardSpec", "encode", "decode",
+__all__ = ["HEADER_LEN", "HEADER_BYTES", "RECV_CAP", "MAGIC", "Op", "Status", "Header", "ShardSpec", "encode", "decode",
            "dtype_code", "code_dtype", "check_request", "check_reply", "request_payloads", "reply_payloads",
            "header_buffer", "SENTINEL", "mark_payload", "payload_short", "MEMBER_FIELDS"]
 
 HEADER_LEN = 17
+HEADER_BYTES = HEADER_LEN * 8
 # Header receives use a buffer this many int64 long (32 KiB): see the module docstring.
 RECV_CAP = 4096
 MAGIC = 0x504C5853_0002  # "PLXS", protocol version 2

@@ -47,8 +47,9 @@ from plexus.config import JobConfig
 from plexus.errors import CommError, CommTimeout, ProtocolError
 from plexus.ps.consistency import Consistency, Push, make_consistency
 from plexus.ps.optimizers import ServerOptimizer, make_server_optimizer
-from plexus.ps.protocol import (MEMBER_FIELDS, SENTINEL, Header, Op, ShardSpec, Status, check_request, code_dtype, decode, encode,
-                                header_buffer, mark_payload, payload_short, request_payloads)
+from plexus.ps.protocol import (HEADER_BYTES, MEMBER_FIELDS, SENTINEL, Header, Op, ShardSpec, Status, check_request,
+                                code_dtype, decode, encode, header_buffer, mark_payload, payload_short,
+                                request_payloads)
 from plexus.ps.sharding import HashRing, RangeSharding
 from plexus.ps.staleness import StalenessHistogram, staleness_lr_scale
 
@@ -360,7 +361,7 @@ class ParameterServer:
         try:
             while True:
                 buffer.fill_(SENTINEL)
-                link.recv_from_peer(buffer, timeout=self.idle_limit)
+                link.recv_from_peer(buffer, timeout=self.idle_limit, counted=HEADER_BYTES)
                 if not self._handle(link, worker, decode(buffer, peer_name)):
                     break
         except ProtocolError as exc:

@@ -12,8 +12,9 @@ from plexus.strategies.tree_ps import TreePSStrategy
 
 __all__ = ["STRATEGIES", "strategy_class", "create_strategy", "Context", "RoleContext", "Strategy", "StepStats"]
 
-STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (AllReduceStrategy, DownpourStrategy, TreePSStrategy, GossipStrategy,
-                                                                 LocalSgdStrategy, EasgdStrategy)}
+STRATEGIES: dict[str, type[Strategy]] = {
+    cls.name: cls for cls in (AllReduceStrategy, DownpourStrategy, TreePSStrategy, GossipStrategy, LocalSgdStrategy,
+                              EasgdStrategy)}
 
 
 def strategy_class(name: str) -> type[Strategy]:

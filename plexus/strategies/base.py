@@ -121,6 +121,12 @@ class Strategy(ABC):
         raise NotImplementedError(f"{cls.name} has no role {role!r}")
 
     @classmethod
+    def joined_workers(cls, store: dist.Store) -> int:
+        """Workers that joined the running job (ranks after the initial ones), whose final
+        records the summary collects too."""
+        return 0
+
+    @classmethod
     def tolerates_loss(cls, cfg: JobConfig, role: str, rank: int) -> bool:
         """True when the job carries on without this process if it dies."""
         return False

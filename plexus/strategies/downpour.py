@@ -192,6 +192,10 @@ class DownpourStrategy(Strategy):
         return store_get_json(store, _JOB_KEY)
 
     @classmethod
+    def joined_workers(cls, store) -> int:
+        return int(store.add(KEYS.joined, 0))
+
+    @classmethod
     def admit(cls, store, cfg: JobConfig) -> int:
         """A rank for a worker that joins the running job (the servers watch the counter)."""
         s = cfg.strategy

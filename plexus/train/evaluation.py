@@ -11,6 +11,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -60,15 +61,16 @@ class SnapshotEvaluator:
 
     ``submit`` copies the model's state (the only cost on the training path);
     ``reached`` is set once a snapshot meets ``target`` accuracy, and
-    ``time_to_target`` holds that snapshot's training-clock time.
+    ``time_to_target`` holds that snapshot's training-clock time, which is also handed to
+    ``on_target`` (so that it outlives this process: the summary reads it from the store).
     """
 
     def __init__(self, template: torch.nn.Module, x_test: torch.Tensor, y_test: torch.Tensor,
                  device: torch.device, log: MetricsLog, target: float | None, model_label: str = "global",
-                 max_pending: int = 4) -> None:
+                 max_pending: int = 4, on_target: Callable[[float], None] | None = None) -> None:
         self._model = copy.deepcopy(template)
         self._x, self._y, self._device = x_test, y_test, device
-        self._log, self._target, self._label = log, target, model_label
+        self._log, self._target, self._label, self._on_target = log, target, model_label, on_target
         self._queue: queue.Queue = queue.Queue()
         self._max_pending = max_pending
         self.reached = threading.Event()
@@ -107,6 +109,11 @@ class SnapshotEvaluator:
         if self._target is not None and result.accuracy >= self._target and not self.reached.is_set():
             self.time_to_target = result.time
             self.reached.set()
+            if self._on_target is not None:
+                try:
+                    self._on_target(result.time)
+                except RuntimeError as exc:  # the store is gone: the job is ending anyway
+                    logger.warning("evaluator: could not record the time to target: %s", exc)
 
     def close(self) -> None:
         """Finish every pending evaluation."""

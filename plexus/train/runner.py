@@ -121,7 +121,8 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
     holder = strategy.global_model()
     evaluator = None
     if holder is not None and rank == 0:
-        evaluator = SnapshotEvaluator(holder, data.x_test, data.y_test, device, log, cfg.run.target_accuracy)
+        evaluator = SnapshotEvaluator(holder, data.x_test, data.y_test, device, log, cfg.run.target_accuracy,
+                                      on_target=_target_recorder(store, cfg))
     # Decentralized strategies: worker 0's own replica is evaluated besides the global model.
     replica = strategy.replica() if evaluator is not None else None
     replica_eval = None
@@ -131,6 +132,9 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
     must_agree = cfg.run.time_limit is not None or cfg.run.target_accuracy is not None
     steps_done, loss = 0, float("nan")
     samples_per_step = cfg.run.batch_size if strategy.synchronous else share
+    # Asynchronous workers count the samples of the whole job together in the store (at
+    # every log step), so that worker 0's evaluations say how much the job has seen.
+    shared_samples, reported = not strategy.synchronous and workers > 1, 0
     try:
         for step in range(limit):
             emulator.at_step(step)
@@ -143,6 +147,9 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
                 raise NonFiniteLoss(f"worker {rank}: the training loss became {loss} at step {step}: "
                                     f"the learning rate ({cfg.optim.lr:g}) is probably too high; lower --lr")
             samples = steps_done * samples_per_step
+            if shared_samples and (steps_done % cfg.run.log_every == 0 or steps_done == limit):
+                store.add(_SAMPLES_KEY, samples - reported)
+                reported = samples
             if steps_done % cfg.run.log_every == 0 or steps_done == limit:
                 log.log("train", time=clock(), worker=rank, step=steps_done, loss=loss, samples=samples,
                         bytes_sent=traffic.bytes_sent, bytes_recv=traffic.bytes_recv, staleness=stats.staleness)
@@ -150,7 +157,8 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
                 now = clock()
                 fields = strategy.prepare_snapshot()  # on every worker: it may be a collective
                 if evaluator is not None:
-                    evaluator.submit(holder, steps_done, now, samples)
+                    evaluator.submit(holder, steps_done, now, store.add(_SAMPLES_KEY, 0) if shared_samples
+                                     else samples)
                 if replica_eval is not None:
                     replica_eval.submit(replica, steps_done, now, samples)
                 if fields:
@@ -181,8 +189,9 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
         if final is not None:
             final_loss, final_acc = evaluate(final, data.x_test, data.y_test, device)
             if not evaluator.results or evaluator.results[-1].step != steps_done:
-                evaluator.record(Evaluation(step=steps_done, time=wall, samples=steps_done * samples_per_step,
-                                            accuracy=final_acc, loss=final_loss))
+                total = store.add(_SAMPLES_KEY, 0) if shared_samples else steps_done * samples_per_step
+                evaluator.record(Evaluation(step=steps_done, time=wall, samples=total, accuracy=final_acc,
+                                            loss=final_loss))
             if run_dir is not None and cfg.run.save_model:
                 torch.save(final.state_dict(), run_dir / "model.pt")
             store_set_json(store, "stats/eval", {
@@ -202,6 +211,18 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
         log.close()
         strategy.close()
 
+
+
+_SAMPLES_KEY = "train/samples"
+
+
+def _target_recorder(store, cfg: JobConfig):
+    """Records when the target accuracy was first reached in the store (``stats/target``),
+    so the summary has it even if this worker is lost before the end."""
+    if cfg.run.target_accuracy is None:
+        return None
+    own = store.clone()  # the evaluator thread must not share the training thread's connection
+    return lambda seconds: store_set_json(own, "stats/target", {"time": seconds})
 
 
 def role_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None) -> None:

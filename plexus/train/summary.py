@@ -27,7 +27,8 @@ def collect_records(cfg: JobConfig, store, lost: dict[str, list[int]] | None = N
     "server": {...}, ..., "eval": {...}}. With ``wait``, wait that long for the records of
     live processes (torchrun, where they may still be finishing)."""
     lost = lost or {}
-    counts = {"worker": cfg.cluster.workers, **dict(strategy_class(cfg.strategy.strategy).extra_roles(cfg))}
+    cls = strategy_class(cfg.strategy.strategy)
+    counts = {"worker": cfg.cluster.workers + cls.joined_workers(store), **dict(cls.extra_roles(cfg))}
     records: dict[str, Any] = {}
     for role, count in counts.items():
         keys = {r: f"stats/{role}/{r}" for r in range(count) if r not in lost.get(role, [])}
@@ -35,6 +36,7 @@ def collect_records(cfg: JobConfig, store, lost: dict[str, list[int]] | None = N
             wait_keys(store, list(keys.values()), wait, f"the final records of every {role}")
         records[role] = {r: store_get_json(store, k) for r, k in keys.items() if _present(store, k)}
     records["eval"] = store_get_json(store, "stats/eval") if _present(store, "stats/eval") else {}
+    records["target"] = store_get_json(store, "stats/target") if _present(store, "stats/target") else {}
     return records
 
 
@@ -51,7 +53,7 @@ def assemble_summary(cfg: JobConfig, records: dict[str, Any], lost: dict[str, li
         steps = sum(w["steps"] for w in workers.values())
         samples = steps * (cfg.run.batch_size // cfg.cluster.workers)
     sent = [workers[r]["bytes_sent"] if r in workers else None for r in range(cfg.cluster.workers)]
-    others = sum(rec["bytes_sent"] for role, recs in records.items() if role not in ("worker", "eval")
+    others = sum(rec["bytes_sent"] for role, recs in records.items() if role not in ("worker", "eval", "target")
                  for rec in recs.values())
     summary: dict[str, Any] = {
         "strategy": cfg.strategy.strategy,
@@ -66,7 +68,9 @@ def assemble_summary(cfg: JobConfig, records: dict[str, Any], lost: dict[str, li
         "final_test_loss": ev.get("final_test_loss"),
         "wall_seconds": wall,
         "samples_per_second": samples / wall if wall else None,
-        "time_to_target_seconds": ev.get("time_to_target"),
+        # Worker 0's evaluator records the time when it happens, in case worker 0 is lost.
+        "time_to_target_seconds": ev.get("time_to_target") if ev.get("time_to_target") is not None
+        else records.get("target", {}).get("time"),
         "target_accuracy": cfg.run.target_accuracy,
         "bytes_sent_total": sum(b for b in sent if b is not None) + others,
         "bytes_sent_per_worker": sent,
