@@ -158,7 +158,7 @@ class ParameterServer:
         self.store, self.index, self.cfg, self.traffic = store, index, cfg, traffic
         self.me = f"server {index}"
         self.servers = max(1, cfg.cluster.servers)
-        self.names = children if children is not None else [f"worker {w}" for w in range(cfg.cluster.workers)]
+        self.names = list(children) if children is not None else [f"worker {w}" for w in range(cfg.cluster.workers)]
         self.tree = children is not None
         self.workers = len(self.names)
         self.timeout, self.peer_timeout = cfg.cluster.timeout, cfg.cluster.peer_timeout

@@ -42,6 +42,7 @@ import logging
 import math
 import queue
 import threading
+import time
 from typing import Any
 
 import torch
@@ -308,8 +309,11 @@ class _WeightTree:
     def stop(self, check: bool = True) -> None:
         """Let the last gradient leave, then stop both threads and the weight serving;
         raise what failed in them when ``check``."""
-        if self.pushed.acquire(timeout=self.timeout):
-            self.pushed.release()
+        deadline = time.monotonic() + self.timeout
+        while self.error is None and self.threads[0].is_alive() and time.monotonic() < deadline:
+            if self.pushed.acquire(timeout=0.1):  # the last gradient has left
+                self.pushed.release()
+                break
         self.stopping.set()
         self.want.set()
         try:
