@@ -41,6 +41,23 @@ def test_killed_worker_leaves_the_job_running(tmp_path, consistency, extra, vict
         assert summary["staleness_max"] == 0
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ps", "tree-ps"])
+def test_evaluation_goes_on_when_worker_0_is_lost(tmp_path, strategy):
+    """The lowest-ranked survivor takes over the snapshots, so the job still stops at the
+    target accuracy and the summary has the time it took."""
+    steps = 3000
+    summary = plexus.run({**BASE, "strategy": strategy, "consistency": "asp", "workers": 3, "steps": steps,
+                          "momentum": 0.0, "lr": 0.1, "kill": "worker:0@step=5", "eval_every": 10,
+                          "target_accuracy": 0.9, "out": str(tmp_path)})
+    assert summary["lost_workers"] == [0]
+    assert summary["time_to_target_seconds"] is not None, summary
+    assert summary["final_test_accuracy"] >= 0.85
+    evals = read_events(tmp_path, "eval")
+    assert any(e["step"] > 5 for e in evals)  # snapshots after worker 0 was gone
+    assert summary["steps"] < 2 * steps        # it stopped at the target, not at the step limit
+
+
 def _worker_pid(launcher: int, rank: int) -> int | None:
     """The pid of worker ``rank`` among the processes the launcher ``launcher`` started."""
     want = {b"PLEXUS_PARENT_PID=" + str(launcher).encode(), b"PLEXUS_ROLE=worker",

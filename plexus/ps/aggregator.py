@@ -264,6 +264,10 @@ class Aggregator:
             self.cond.notify_all()
         logger.warning("%s: lost %s (%s); the gradients of worker(s) %s stop here", self.me, child.name, reason,
                        ", ".join(map(str, child.leaves)))
+        try:
+            self.store.clone().set(KEYS.lost(child.name), reason)  # for the workers that take over evaluation
+        except RuntimeError as exc:  # the store is the launcher's; if it is gone the job is over
+            logger.warning("%s: could not announce the loss of %s: %s", self.me, child.name, exc)
 
     # --- one child ---------------------------------------------------------------------------
 

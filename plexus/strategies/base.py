@@ -157,6 +157,12 @@ class Strategy(ABC):
         ``strategy`` event), e.g. the consensus distance; {} logs nothing."""
         return {}
 
+    def evaluates(self, rank: int) -> bool:
+        """Whether this worker evaluates snapshots of ``global_model()`` now (asked at each
+        snapshot step while it does not). Worker 0 does; strategies that outlive it hand
+        the job to the lowest-ranked worker still training."""
+        return rank == 0
+
     def final_model(self, rank: int) -> torch.nn.Module | None:
         """The finished global model on the one worker that evaluates it for the summary,
         None on the others; called once after the training loop. The default is worker 0's

@@ -398,6 +398,15 @@ class DownpourStrategy(Strategy):
     def global_model(self) -> nn.Module:
         return self.model
 
+    def evaluates(self, rank: int) -> bool:
+        """Worker 0, or once every worker below this one is lost, this one: evaluations
+        (and the stop at --target-accuracy) go on without worker 0."""
+        return rank == 0 or all(self.lost_worker(k) for k in range(rank))
+
+    def lost_worker(self, rank: int) -> bool:
+        """Whether a server declared worker ``rank`` lost."""
+        return self.ctx.store.check([KEYS.lost(f"worker {rank}")])
+
     def agree(self, flag: bool) -> bool:
         if flag:
             self.ctx.store.set(_STOP_KEY, "1")

@@ -53,6 +53,7 @@ from plexus.config import JobConfig
 from plexus.errors import CommError, ConfigError
 from plexus.ps.aggregator import Aggregator
 from plexus.ps.protocol import HEADER_LEN, Header, Op, decode, encode
+from plexus.ps.server import KEYS
 from plexus.ps.tree import ROOT, Node, Tree
 from plexus.strategies.base import Context, LossFn, RoleContext, StepStats
 from plexus.strategies.downpour import DownpourStrategy, num_servers
@@ -189,6 +190,15 @@ class TreePSStrategy(DownpourStrategy):
         self.star = _WeightTree(self) if self.variant == "adv-star" else None
         if self.star is not None:
             self.synchronous = False
+
+    def lost_worker(self, rank: int) -> bool:
+        """Declared lost by its parent, or cut off with an aggregator above it."""
+        node = Node("worker", rank)
+        while node != ROOT:
+            if self.ctx.store.check([KEYS.lost(node.name)]):
+                return True
+            node = self.tree.parent(node) if self.variant != "base" else ROOT
+        return False
 
     def table_of(self, model: nn.Module) -> nn.Module | None:
         # Aggregators sum dense gradients; an embedding table travels whole, like any weight.

@@ -154,6 +154,11 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
                 log.log("train", time=clock(), worker=rank, step=steps_done, loss=loss, samples=samples,
                         bytes_sent=traffic.bytes_sent, bytes_recv=traffic.bytes_recv, staleness=stats.staleness)
             if cfg.run.eval_every and steps_done % cfg.run.eval_every == 0:
+                if evaluator is None and holder is not None and strategy.evaluates(rank):
+                    logger.warning("worker %d: the workers below it are lost; it evaluates from step %d on",
+                                   rank, steps_done)
+                    evaluator = SnapshotEvaluator(holder, data.x_test, data.y_test, device, log,
+                                                  cfg.run.target_accuracy, on_target=_target_recorder(store, cfg))
                 now = clock()
                 fields = strategy.prepare_snapshot()  # on every worker: it may be a collective
                 if evaluator is not None:
