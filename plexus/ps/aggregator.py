@@ -343,6 +343,9 @@ class Aggregator:
             return True
         if child.state == EXPECTED:
             raise ProtocolError(f"{link.peer} sent {op.name} before INIT", peer=link.peer)
+        if child.state == LOST:  # declared lost (silent too long): it does not come back
+            self._reply_status(link, Status.LOST)
+            return False
         if op in (Op.PUSH, Op.PUSH_PULL):
             if child.state != ACTIVE:
                 raise ProtocolError(f"{link.peer} pushed after BYE", peer=link.peer)
