@@ -204,10 +204,11 @@ def _link(store, rank: int, workers: int, servers: int, size: int, rounds: int, 
     from plexus.cluster.group import Link
     from plexus.cluster.rendezvous import store_barrier
     from plexus.cluster.traffic import Traffic
+    from plexus.ps.protocol import HEADER_LEN
     from plexus.ps.sharding import RangeSharding
 
     sharding = RangeSharding(size, servers)
-    header = torch.zeros(16, dtype=torch.int64)
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
     if rank >= workers:
         server = rank - workers
         numel = sharding.size(server)
