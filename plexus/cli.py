@@ -235,6 +235,9 @@ def _print_summary(summary: dict[str, Any], run_dir: str, as_json: bool) -> None
     if ttt is not None:
         line += f"  target reached at {ttt:.1f} s"
     print(line)
+    if summary.get("diverging_workers"):
+        print(f"warning: training diverged on worker(s) {', '.join(map(str, summary['diverging_workers']))} "
+              f"(the loss rose to 10x its first value); see their warnings above", file=sys.stderr)
     print(f"run directory: {run_dir}")
     if as_json:
         print(json.dumps({**summary, "run_dir": run_dir}))

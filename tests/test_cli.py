@@ -158,6 +158,19 @@ def test_target_accuracy_stops_early_and_records_the_time(tmp_path):
     assert summary["time_to_target_seconds"] == reached[0]["time"]
 
 
+def test_a_diverging_run_says_so(tmp_path):
+    """A loss that grows without becoming NaN is the quiet way training fails: the worker
+    warns while it happens, the summary lists it, and the CLI repeats it at the end."""
+    result = plexus_cli("train", "--workers", "1", "--steps", "30", "--lr", "20", "--momentum", "0",
+                        "--out", str(tmp_path), "--json")
+    assert result.returncode == 0, result.stderr
+    assert "training is diverging; lower --lr" in result.stderr and "--momentum 0" not in result.stderr
+    assert "warning: training diverged on worker(s) 0" in result.stderr
+    assert json.loads(result.stdout.splitlines()[-1])["diverging_workers"] == [0]
+    (event,) = read_events(tmp_path, "diverging")
+    assert event["loss"] > 10 * event["first_loss"]
+
+
 @pytest.mark.slow
 def test_time_limit_stops_every_worker_together(tmp_path):
     result = plexus_cli("train", "--workers", "2", "--time-limit", "2", "--out", str(tmp_path), "--json", "--quiet")

@@ -134,6 +134,7 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
     # Asynchronous workers count the samples of the whole job together in the store (at
     # every log step), so that worker 0's evaluations say how much the job has seen.
     shared_samples, reported = not strategy.synchronous and workers > 1, 0
+    first_loss, warned = None, False
     try:
         for step in range(limit):
             emulator.at_step(step)
@@ -145,6 +146,16 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
             if not math.isfinite(loss):
                 raise NonFiniteLoss(f"worker {rank}: the training loss became {loss} at step {step}: "
                                     f"the learning rate ({cfg.optim.lr:g}) is probably too high; lower --lr")
+            if first_loss is None:
+                first_loss = loss
+            elif not warned and loss > _DIVERGED * max(first_loss, 0.1):
+                # Async training diverges without NaNs; say so while it happens, not after.
+                warned = True
+                hints = ["lower --lr"] + (["pass --momentum 0"] if cfg.optim.momentum > 0 else []) + \
+                    (["pass --staleness-lr"] if not strategy.synchronous else [])
+                logger.warning("worker %d: the training loss rose from %.4g to %.4g by step %d: training is "
+                               "diverging; %s", rank, first_loss, loss, steps_done, ", or ".join(hints))
+                log.log("diverging", time=clock(), worker=rank, step=steps_done, loss=loss, first_loss=first_loss)
             samples = steps_done * samples_per_step
             if shared_samples and (steps_done % cfg.run.log_every == 0 or steps_done == limit):
                 store.add(_SAMPLES_KEY, samples - reported)
@@ -206,7 +217,7 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
         store_set_json(store, f"stats/worker/{rank}", {
             "steps": steps_done, "wall_seconds": wall, "bytes_sent": traffic.bytes_sent,
             "bytes_recv": traffic.bytes_recv, "traffic": traffic.snapshot(), "loss": loss,
-            "slept": emulator.slept, **strategy.final_record()})
+            "slept": emulator.slept, "diverging": warned, **strategy.final_record()})
         if strategy.synchronous and not strategy.tolerates_loss(cfg, "worker", rank):
             # Nobody may tear down the group while others still use it (a strategy that
             # outlives lost workers has no such group, and its survivors cannot wait for all).
@@ -218,6 +229,8 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
 
 
 _SAMPLES_KEY = "train/samples"
+# A training loss this many times its first value means the run is diverging.
+_DIVERGED = 10.0
 
 
 def _target_recorder(store, cfg: JobConfig):
