@@ -251,14 +251,14 @@ class _WeightTree:
         self.error: BaseException | None = None
         self.want = threading.Event()
         self.stopping = threading.Event()
-        self.outbox: queue.Queue[torch.Tensor | None] = queue.Queue(maxsize=1)
+        self.outbox: queue.Queue[tuple[torch.Tensor, int, list[int]] | None] = queue.Queue(maxsize=1)
         self.pushed = threading.Semaphore(1)    # one gradient in flight
         self.threads = [threading.Thread(target=self._guard, args=(self._push_loop,), name="pusher", daemon=True),
                         threading.Thread(target=self._guard, args=(self._fetch_loop,), name="fetcher",
                                          daemon=True)]
         # The weight links are made here, in tree order (first the one to our parent, then
-        # those to our children), which cannot deadlock; gloo groups made concurrently by
-        # threads of one process can.
+        # those to our children), which cannot deadlock. Made from the fetcher and serving
+        # threads instead, they hung at start-up in some runs (observed with 4 workers).
         self.link = self._link(self.tree.weight_parent(self.rank))
         self.children: list[threading.Thread] = []
         for child in self.tree.weight_children(self.rank):
