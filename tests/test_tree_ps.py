@@ -71,6 +71,15 @@ def test_softsync_counts_the_gradients_a_tree_push_holds():
     assert partial.divisor([Push(0, 0, 0, "d", weight=2)]) == 2
 
 
+def test_softsync_flush_applies_what_waits():
+    gate = SoftSync(2)
+    for w in range(3):
+        gate.join(w)
+    assert gate.push(Push(2, 0, 0, "x")) == []
+    assert [[p.payload for p in g] for g in gate.flush()] == [["x"]]
+    assert gate.pending() == 0 and gate.flush() == []
+
+
 def _cfg(**flat) -> JobConfig:
     return JobConfig.from_flat({"strategy": "tree-ps", "workers": 4, "batch_size": 8, **flat})
 

@@ -231,6 +231,17 @@ class SoftSync(Consistency):
     def divisor(self, group: list[Push[P]]) -> int:
         return min(self.n, sum(p.weight for p in group))
 
+    def flush(self) -> list[list[Push[P]]]:
+        """The waiting pushes as one partial group (the server calls it when no push has
+        joined them for --peer-timeout). Each shard groups pushes in its own arrival order;
+        after a worker is lost with a push that reached only some shards, the shards can
+        group differently, and two workers can each wait on a group of a different shard
+        that only the other would complete. Applying a group that has waited that long
+        ends such a wait."""
+        groups = [sorted(self.queue, key=lambda p: (p.worker, p.clock))] if self.queue else []
+        self.queue = []
+        return groups
+
     def may_serve(self, worker: int, clock: int) -> bool:
         return all(p.worker != worker for p in self.queue)
 

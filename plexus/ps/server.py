@@ -45,7 +45,7 @@ from plexus.cluster.group import Link
 from plexus.cluster.traffic import Traffic
 from plexus.config import JobConfig
 from plexus.errors import CommError, CommTimeout, ProtocolError
-from plexus.ps.consistency import Consistency, Push, make_consistency
+from plexus.ps.consistency import Consistency, Push, SoftSync, make_consistency
 from plexus.ps.optimizers import ServerOptimizer, make_server_optimizer
 from plexus.ps.protocol import (HEADER_BYTES, MEMBER_FIELDS, SENTINEL, Header, Op, ShardSpec, Status, check_request,
                                 code_dtype, decode, encode, header_buffer, mark_payload, payload_short,
@@ -183,6 +183,7 @@ class ParameterServer:
         self.optimizer: ServerOptimizer | None = None
         self.version = 0
         self.histogram = StalenessHistogram()
+        self.last_push = time.monotonic()      # when the gate last received a push
         self.gradients: dict[int, int] = {}    # worker rank -> its gradients applied
         self.fan_in: dict[int, int] = {}       # distinct senders in an update -> updates
         self.protocol_errors = 0
@@ -562,6 +563,7 @@ class ParameterServer:
             except ValueError as exc:
                 raise ProtocolError(f"{name}: {exc}", peer=name) from None
             peer.pushed += 1
+            self.last_push = time.monotonic()
             if not any(p is push for group in groups for p in group):
                 peer.rx = None  # the gate holds this buffer until the push is applied
             self._apply(groups)
@@ -621,6 +623,10 @@ class ParameterServer:
             peer = self.peers[worker]
             target = peer.base + clock
             while not self.gate.may_serve(worker, target) and peer.state != LOST:
+                if isinstance(self.gate, SoftSync) and time.monotonic() - self.last_push > self.peer_timeout:
+                    self._apply(self.gate.flush())  # see SoftSync.flush
+                    self.cond.notify_all()
+                    continue
                 left = deadline - time.monotonic()
                 if left <= 0:
                     waiting = ", ".join(f"worker {w}" for w in self.gate.blockers(worker, target)) or "nobody"
