@@ -45,7 +45,7 @@ from plexus.errors import CommError, ProtocolError
 from plexus.ps.client import Heartbeat, PSClient
 from plexus.ps.protocol import (HEADER_BYTES, MEMBER_FIELDS, SENTINEL, Header, Op, ShardSpec, Status, check_request,
                                 code_dtype, decode, encode, header_buffer)
-from plexus.ps.server import KEYS, recv_payloads
+from plexus.ps.server import KEYS, recv_payloads, silent_for
 from plexus.ps.sharding import RangeSharding
 from plexus.ps.tree import ROOT, Node, Tree
 
@@ -239,15 +239,11 @@ class Aggregator:
             with self.cond:
                 watched = [i for i, c in enumerate(self.children) if c.state in (EXPECTED, ACTIVE, FINISHED)]
             for i in watched:
-                child = self.children[i]
-                beats = store.add(KEYS.heartbeat_of(child.name), 0)
+                beats = store.add(KEYS.heartbeat_of(self.children[i].name), 0)
                 with self.cond:
-                    if beats != child.beats:
-                        child.beats, child.heard = beats, now
-                    silent = now - (child.heard if child.beats else child.since)
-                    limit = self.peer_timeout if child.beats else self.timeout
-                if silent > limit:
-                    self._lose(i, f"no heartbeat for {silent:.1f} s (limit {limit:g} s)")
+                    why = silent_for(self.children[i], beats, now, self.peer_timeout, self.timeout)
+                if why is not None:
+                    self._lose(i, why)
             stop.wait(self.interval)
 
     def _lose(self, i: int, reason: str) -> None:

@@ -53,7 +53,7 @@ from plexus.ps.protocol import (HEADER_BYTES, MEMBER_FIELDS, SENTINEL, Header, O
 from plexus.ps.sharding import HashRing, RangeSharding
 from plexus.ps.staleness import StalenessHistogram, staleness_lr_scale
 
-__all__ = ["ParameterServer", "KEYS", "VNODES", "recv_payloads"]
+__all__ = ["ParameterServer", "KEYS", "VNODES", "recv_payloads", "silent_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +119,18 @@ class _Worker:
 
 def _running(thread: threading.Thread | None) -> bool:
     return thread is not None and thread.is_alive() and thread is not threading.current_thread()
+
+
+def silent_for(peer: Any, beats: int, now: float, peer_timeout: float, timeout: float) -> str | None:
+    """Under the owner's lock: record ``beats``, the peer's heartbeat counter read at
+    ``now``, in ``peer.beats``/``peer.heard``; returns why the peer counts as lost (its
+    counter stood still for ``peer_timeout``, or for ``timeout`` before its first beat,
+    counted from ``peer.since``), or None."""
+    if beats != peer.beats:
+        peer.beats, peer.heard = beats, now
+    silent = now - (peer.heard if peer.beats else peer.since)
+    limit = peer_timeout if peer.beats else timeout
+    return f"no heartbeat for {silent:.1f} s (limit {limit:g} s)" if silent > limit else None
 
 
 def recv_payloads(link: Link, header: Header, reuse: torch.Tensor | None = None) -> list[torch.Tensor]:
@@ -287,13 +299,9 @@ class ParameterServer:
                     self._lose(w, "declared lost by another server", announce=False)
                     continue
                 with self.cond:
-                    peer = self.peers[w]
-                    if beats != peer.beats:
-                        peer.beats, peer.heard = beats, now
-                    silent = now - (peer.heard if peer.beats else peer.since)
-                    limit = self.peer_timeout if peer.beats else self.timeout
-                if silent > limit:
-                    self._lose(w, f"no heartbeat for {silent:.1f} s (limit {limit:g} s)")
+                    why = silent_for(self.peers[w], beats, now, self.peer_timeout, self.timeout)
+                if why is not None:
+                    self._lose(w, why)
             joins = store.add(KEYS.joined, 0)
             while known_joins < joins:
                 self._admit(self.workers + known_joins)

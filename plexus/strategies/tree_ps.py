@@ -163,8 +163,9 @@ class TreePSStrategy(DownpourStrategy):
         for w in range(workers):
             if w not in records["worker"] and w not in cut:
                 lost_with[f"worker {w}"] = [w]
-        lost = sorted({w for ws in lost_with.values() for w in ws} | set(out["lost_workers"]) if
-                      cfg.strategy.variant == "base" else {w for ws in lost_with.values() for w in ws})
+        lost = {w for ws in lost_with.values() for w in ws}
+        if cfg.strategy.variant == "base":  # the servers also name workers they dropped
+            lost |= set(out["lost_workers"])
         acked = sum(max(rec.get("acks", [0]) or [0]) for rec in records["worker"].values())
         out.update(
             variant=cfg.strategy.variant, fanout=cfg.strategy.fanout, softsync=group_size(cfg),
@@ -176,7 +177,7 @@ class TreePSStrategy(DownpourStrategy):
             root_max_fan_in=max(fan_in, default=0),
             root_fan_in_counts={str(k): n for k, n in sorted(fan_in.items())},
             root_bytes_per_update=received / updates if updates else None,
-            lost_workers=lost, lost_with=lost_with,
+            lost_workers=sorted(lost), lost_with=lost_with,
             protocol_errors=out["protocol_errors"] + sum(r["protocol_errors"] for r in aggregators.values()),
         )
         return out

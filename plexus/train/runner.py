@@ -118,10 +118,13 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
     clock = lambda: time.time() - t0  # noqa: E731
 
     holder = strategy.global_model()
-    evaluator = None
-    if holder is not None and rank == 0:
-        evaluator = SnapshotEvaluator(holder, data.x_test, data.y_test, device, log, cfg.run.target_accuracy,
-                                      on_target=_target_recorder(store, cfg))
+
+    def snapshots() -> SnapshotEvaluator:
+        """The evaluator of ``holder``'s snapshots, on the worker that evaluates them."""
+        return SnapshotEvaluator(holder, data.x_test, data.y_test, device, log, cfg.run.target_accuracy,
+                                 on_target=_target_recorder(store, cfg))
+
+    evaluator = snapshots() if holder is not None and rank == 0 else None
     # Decentralized strategies: worker 0's own replica is evaluated besides the global model.
     replica = strategy.replica() if evaluator is not None else None
     replica_eval = None
@@ -167,8 +170,7 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
                 if evaluator is None and holder is not None and strategy.evaluates(rank):
                     logger.warning("worker %d: the workers below it are lost; it evaluates from step %d on",
                                    rank, steps_done)
-                    evaluator = SnapshotEvaluator(holder, data.x_test, data.y_test, device, log,
-                                                  cfg.run.target_accuracy, on_target=_target_recorder(store, cfg))
+                    evaluator = snapshots()
                 now = clock()
                 fields = strategy.prepare_snapshot()  # on every worker: it may be a collective
                 if evaluator is not None:
