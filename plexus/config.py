@@ -200,6 +200,10 @@ class ClusterConfig:
     slow: tuple[SlowSpec, ...] = ()
     kill: tuple[KillSpec, ...] = ()
     net: NetSpec = field(default_factory=NetSpec)
+    # What carries point-to-point links (parameter servers, aggregators, gossip, easgd):
+    # auto uses shared memory between processes on one machine and gloo's sockets
+    # otherwise; socket always uses the sockets; shm requires shared memory.
+    transport: Literal["auto", "socket", "shm"] = "auto"
 
     def __post_init__(self) -> None:
         _require(self.workers >= 1, "workers", "must be at least 1", self.workers, "pass --workers 1 or more")
@@ -212,6 +216,8 @@ class ClusterConfig:
                  self.backend, "pass --backend auto")
         _require(self.device in ("auto", "cpu", "cuda"), "device", "must be auto, cpu or cuda", self.device,
                  "pass --device auto")
+        _require(self.transport in ("auto", "socket", "shm"), "transport", "must be auto, socket or shm",
+                 self.transport, "pass --transport auto")
         _require(self.threads >= 0, "threads", "must be non-negative", self.threads, "pass --threads 1")
         for spec in (*self.slow, *self.kill):
             if spec.role == "aggregator":

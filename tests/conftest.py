@@ -1,9 +1,11 @@
-"""Shared fixtures: a temporary matplotlib config, and a check that no test leaves a
-child process behind."""
+"""Shared fixtures: a temporary matplotlib config, a check that no test leaves a child
+process behind, and one that the whole session leaves no shared-memory file behind."""
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -37,3 +39,15 @@ def no_orphans():
     yield
     left = _children() - before
     assert not left, f"test left child processes behind: {sorted(left)}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_shared_memory_left():
+    """Links' shared-memory files go to a folder of this session's (children inherit the
+    variable); every one must have been unlinked by the end."""
+    folder = tempfile.mkdtemp(prefix="plexus-tests-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    os.environ["PLEXUS_SHM_DIR"] = folder
+    yield
+    left = sorted(os.listdir(folder))
+    shutil.rmtree(folder, ignore_errors=True)
+    assert not left, f"shared-memory files left behind: {left}"

@@ -96,4 +96,4 @@ def link_pair(group) -> dict:
         link.recv_from_peer(got)
         link.send_to_peer(got * 10)
     link.close()
-    return {"got": got.tolist(), "traffic": traffic.snapshot()}
+    return {"got": got.tolist(), "traffic": traffic.snapshot(), "transport": link.transport}

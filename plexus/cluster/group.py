@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import os
+import secrets
 import time
 from typing import Callable, Sequence
 
@@ -22,9 +24,16 @@ import torch.distributed as dist
 
 from plexus.cluster.traffic import Traffic
 from plexus.config import NetSpec
-from plexus.errors import CommError, CommTimeout, ConfigError, PeerLost
+from plexus.cluster.shm import Channel, Inbox, Outbox, host_id, make_fifo, new_base, open_fifo, peer_alive
+from plexus.errors import CommError, CommTimeout, ConfigError, PeerLost, ProtocolError
 
-__all__ = ["Endpoint", "Group", "Link", "Work", "make_process_group", "translate_error"]
+__all__ = ["Endpoint", "Group", "Link", "Work", "TRANSPORTS", "make_process_group", "translate_error"]
+
+TRANSPORTS = ("auto", "socket", "shm")
+# A shared-memory link's region name travels in this many bytes of its hello.
+_NAME_BYTES = 32
+# Tag offset of the bytes of a message too large for any shared-memory region.
+_INLINE_TAG = 1 << 24
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +102,13 @@ class Work:
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 class Endpoint:
@@ -249,20 +265,46 @@ class Group(Endpoint):
         self.store = store
 
 
+def _meet(store: dist.Store, me: str, peer: str, timeout: float, cancelled: Callable[[], bool]) -> None:
+    """Wait in the store for ``peer`` to come and open the link too (each side says it is
+    here), giving up as soon as ``cancelled()`` says so: gloo's own set-up cannot be
+    interrupted, and a thread left inside it when its process exits aborts the process."""
+    deadline, pause = time.monotonic() + timeout, 0.005
+    while not store.check([f"here/{peer}"]):
+        if cancelled():
+            raise PeerLost(f"{me}: opening a link: gave up waiting for {peer}", peer=peer)
+        if time.monotonic() > deadline:
+            raise CommTimeout(f"{me}: opening a link: {peer} did not answer within {timeout:g} s", peer=peer)
+        time.sleep(pause)
+        pause = min(0.05, pause * 2)
+
+
 class Link(Endpoint):
     """A channel between two processes, made when both ask for it.
 
     Members are ordered by name so that both sides agree on who is 0 and who is 1;
     ``peer`` is always member index ``1 - rank``.
+
+    ``transport``: ``auto`` moves messages through shared memory when both ends are on
+    one machine (``shm.py``: the gloo pair then carries a small token per message) and
+    over gloo's sockets otherwise; ``socket`` always uses the sockets; ``shm`` insists on
+    shared memory and raises ConfigError when the two ends cannot share it. Either way the
+    calls, their order, timeouts, errors and traffic counts are the same.
     """
 
     def __init__(self, store: dist.Store, me: str, peer: str, *, traffic: Traffic, timeout: float,
-                 backend: str = "gloo", net: NetSpec | None = None, tag: str = "") -> None:
+                 backend: str = "gloo", net: NetSpec | None = None, tag: str = "",
+                 transport: str = "auto", cancelled: Callable[[], bool] | None = None) -> None:
         if me == peer:
             raise ValueError(f"{me}: a link needs two distinct processes")
+        if transport not in TRANSPORTS:
+            raise ConfigError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
         names = sorted([me, peer])
         prefix = dist.PrefixStore(f"link/{names[0]}|{names[1]}/{tag}", store)
         rank = names.index(me)
+        prefix.set(f"here/{me}", "1")
+        if cancelled is not None:
+            _meet(prefix, me, peer, timeout, cancelled)
         try:
             pg = make_process_group(backend, prefix, rank, 2, timeout)
         except RuntimeError as exc:
@@ -270,6 +312,126 @@ class Link(Endpoint):
         super().__init__(pg, rank, names, traffic, timeout, net)
         self.peer_index = 1 - rank
         self.peer = peer
+        self.shm: Channel | None = None
+        if transport == "shm" and backend != "gloo":
+            raise ConfigError(f"--transport shm moves host memory; backend {backend} links use their own transport: "
+                              f"pass --transport auto")
+        if backend == "gloo" and transport != "socket":
+            self._open_shm(required=transport == "shm")
+
+    def _swap(self, mine: torch.Tensor) -> torch.Tensor:
+        """Send ``mine`` and receive the peer's tensor of the same shape (set-up traffic,
+        not counted, as gloo's own connection set-up is not)."""
+        theirs = torch.empty_like(mine)
+        try:
+            works = [self.pg.recv([theirs], self.peer_index, 0), self.pg.send([mine], self.peer_index, 0)]
+            for work in works:
+                work.wait(dt.timedelta(seconds=self.timeout))
+        except RuntimeError as exc:
+            raise translate_error(exc, self.me, "opening a link", self.peer, self.timeout) from None
+        return theirs
+
+    def _open_shm(self, required: bool) -> None:
+        """Agree with the peer on shared memory: each side makes its outgoing region and its
+        incoming FIFO and opens the other's; both use them only if both could (``shm.py``)."""
+        base, nonce, why = new_base(), secrets.randbits(62), ""
+        outbox = inbox = None
+        rfd = wfd = -1
+        try:
+            outbox = Outbox(base, nonce, self.me, self.peer)
+            rfd = make_fifo(base)
+        except OSError as exc:
+            why = f"{self.me} cannot make shared-memory files in {os.path.dirname(base)}: {exc.strerror}"
+        name = os.path.basename(base).encode().ljust(_NAME_BYTES, b"\0")
+        hello = torch.cat([torch.tensor([int(not why), host_id(), os.getpid(), nonce]),
+                           torch.frombuffer(bytearray(name), dtype=torch.int64)])
+        peer_hello = self._swap(hello)
+        want, host, pid, peer_nonce = peer_hello[:4].tolist()
+        peer_base = os.path.join(os.path.dirname(base),
+                                 peer_hello[4:].numpy().tobytes().rstrip(b"\0").decode("ascii", "replace"))
+        if not why:
+            if not want:
+                why = f"{self.peer} could not make shared-memory files"
+            elif host != host_id() or not peer_alive(pid):
+                why = f"{self.peer} runs on another machine"
+            else:
+                try:
+                    inbox = Inbox(peer_base, peer_nonce, self.me, self.peer)
+                    wfd = open_fifo(peer_base, self.peer)
+                except ProtocolError as exc:
+                    why, inbox = str(exc), None
+        agreed = bool(self._swap(torch.tensor([int(inbox is not None and wfd >= 0)]))[0])
+        # Both sides have opened these, or neither will.
+        if outbox is not None:
+            outbox.region.unlink()
+        _unlink_quietly(f"{base}-fifo")
+        if inbox is not None and wfd >= 0 and agreed:
+            outbox.peer_pid = pid
+            self.shm = Channel(self.me, self.peer, outbox, inbox, rfd, wfd, self._inline_send, self._inline_recv)
+            return
+        for fd in (rfd, wfd):
+            if fd >= 0:
+                os.close(fd)
+        if outbox is not None:
+            outbox.close()
+        if required:
+            raise ConfigError(f"{self.me}: --transport shm, but the link to {self.peer} cannot use shared memory "
+                              f"({why or 'the peer could not open this side'}): pass --transport auto")
+
+    def _inline_send(self, tensor: torch.Tensor, tag: int) -> dist.Work:
+        return self.pg.send([tensor], self.peer_index, tag + _INLINE_TAG)
+
+    def _inline_recv(self, tensor: torch.Tensor, tag: int) -> None:
+        try:
+            self.pg.recv([tensor], self.peer_index, tag + _INLINE_TAG).wait(dt.timedelta(seconds=self.timeout))
+        except RuntimeError as exc:
+            raise translate_error(exc, self.me, f"receive of {_nbytes(tensor)} bytes", self.peer,
+                                  self.timeout) from None
+
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> Work:
+        if self.shm is None:
+            return super().isend(tensor, peer, tag)
+        self._check_peer(peer)
+        nbytes = _nbytes(tensor)
+        self._emulate(nbytes)
+        what = f"send of {nbytes} bytes"
+        try:
+            inline = self.shm.send(tensor, tag, self.timeout)
+        except RuntimeError as exc:
+            raise translate_error(exc, self.me, what, self.peer, self.timeout) from None
+        self.traffic.sent(self.peer, nbytes)
+        return Work(inline, self, what, self.peer)
+
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int = 0, counted: int | None = None) -> Work:
+        if self.shm is None:
+            return super().irecv(tensor, peer, tag, counted)
+        self._check_peer(peer)
+        nbytes = _nbytes(tensor) if counted is None else counted
+        what = f"receive of {nbytes} bytes"
+        return Work(self.shm.post(tensor, tag, what), self, what, self.peer,
+                    on_done=lambda: self.traffic.received(self.peer, nbytes))
+
+    def recv_view(self, like: torch.Tensor, tag: int = 0, timeout: float | None = None
+                  ) -> tuple[torch.Tensor, Callable[[], None]]:
+        """Receive a message of at most ``like``'s size and dtype without copying it where
+        possible: over shared memory the result is a view of the ring, valid until the
+        returned ``release`` is called (call it soon: the sender reuses the space only
+        after); over sockets it is ``like`` itself, received into. Either way the result
+        holds exactly the elements that came (over sockets ``like``'s length: check a mark)."""
+        if self.shm is None:
+            self.recv_from_peer(like, tag, timeout)
+            return like, lambda: None
+        nbytes = _nbytes(like)
+        what = f"receive of {nbytes} bytes"
+        pending = self.shm.post(like, tag, what, view=True)
+        Work(pending, self, what, self.peer).wait(timeout)
+        self.traffic.received(self.peer, nbytes)
+        return pending.data(), pending.release
+
+    @property
+    def transport(self) -> str:
+        """What carries this link's messages: shm or socket."""
+        return "socket" if self.shm is None else "shm"
 
     def send_to_peer(self, tensor: torch.Tensor, tag: int = 0, timeout: float | None = None) -> None:
         self.send(tensor, self.peer_index, tag, timeout)
@@ -277,3 +439,8 @@ class Link(Endpoint):
     def recv_from_peer(self, tensor: torch.Tensor, tag: int = 0, timeout: float | None = None,
                        counted: int | None = None) -> None:
         self.recv(tensor, self.peer_index, tag, timeout, counted)
+
+    def close(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
+        super().close()

@@ -271,7 +271,7 @@ class Aggregator:
         child = self.children[i]
         try:
             link = Link(self.store.clone(), self.me, child.name, traffic=self.traffic, timeout=self.timeout,
-                        net=self.cfg.cluster.net)
+                        net=self.cfg.cluster.net, transport=self.cfg.cluster.transport)
         except CommError as exc:
             self._lose(i, f"its link could not be opened: {exc}")
             return
@@ -312,7 +312,7 @@ class Aggregator:
                                     peer=link.peer)
             if h.members > self.cfg.cluster.workers:
                 raise ProtocolError(f"{link.peer} announced {h.members} gradients in one push", peer=link.peer)
-            out.append((h, recv_payloads(link, h)))
+            out.append((h, recv_payloads(link, h)[0]))
         return out
 
     def _layout(self, h: Header, peer: str) -> None:
@@ -403,7 +403,7 @@ class Aggregator:
             values = torch.cat([p[0] if h.count else torch.empty(0, dtype=spec.dtype) for h, p in request])
             self.client = PSClient(self.store, self.index, self.servers, numel=spec.total, dtype=spec.dtype,
                                    traffic=self.traffic, timeout=self.timeout, net=self.cfg.cluster.net,
-                                   sender=self.position, name=self.me, parent=self.parent)
+                                   transport=self.cfg.cluster.transport, sender=self.position, name=self.me, parent=self.parent)
             self.client.connect()
             self.client.init(values)
             self.weights = values

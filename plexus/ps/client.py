@@ -63,14 +63,14 @@ class PSClient:
     ``sender`` is the client's index among its parent's children (its rank by default)."""
 
     def __init__(self, store: dist.Store, rank: int, servers: int, *, numel: int, dtype: torch.dtype,
-                 rows: int = 0, width: int = 0, traffic: Traffic, timeout: float, net: NetSpec | None = None,
+                 rows: int = 0, width: int = 0, traffic: Traffic, timeout: float, net: NetSpec | None = None, transport: str = "auto",
                  sender: int | None = None, name: str | None = None, parent: str | None = None) -> None:
         self.store, self.rank, self.servers = store, rank, servers
         self.me = name or f"worker {rank}"
         self.sender = rank if sender is None else sender
         self.parent = parent
         self.numel, self.dtype, self.rows, self.width = numel, dtype, rows, width
-        self.traffic, self.timeout, self.net = traffic, timeout, net
+        self.traffic, self.timeout, self.net, self.transport = traffic, timeout, net, transport
         self.sharding = RangeSharding(numel, servers)
         self.ring = HashRing(servers, VNODES) if rows else None
         self.links: list[Link] = []
@@ -107,12 +107,13 @@ class PSClient:
     def connect(self) -> None:
         """Open the links (each waits up to ``timeout`` for its server, or for the parent)."""
         if self.parent is not None:
-            link = Link(self.store, self.me, self.parent, traffic=self.traffic, timeout=self.timeout, net=self.net)
+            link = Link(self.store, self.me, self.parent, traffic=self.traffic, timeout=self.timeout, net=self.net,
+                        transport=self.transport)
             self.links = [link] * self.servers
             return
         for s in range(self.servers):
             self.links.append(Link(self.store, self.me, f"server {s}", traffic=self.traffic, timeout=self.timeout,
-                                   net=self.net))
+                                   net=self.net, transport=self.transport))
 
     def close(self) -> None:
         for link in {id(link): link for link in self.links}.values():

@@ -243,6 +243,7 @@ class DownpourStrategy(Strategy):
         self.heartbeat = Heartbeat(ctx.store, self.rank, cfg.cluster.peer_timeout / 5)
         self.client = PSClient(ctx.store, self.rank, num_servers(cfg), numel=numel, dtype=dtype, rows=rows,
                                width=width, traffic=ctx.traffic, timeout=cfg.cluster.timeout, net=cfg.cluster.net,
+                               transport=cfg.cluster.transport,
                                **self.uplink())
         try:
             self.client.connect()

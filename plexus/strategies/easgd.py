@@ -91,7 +91,8 @@ class EasgdStrategy(Strategy):
         self.exchanges = 0
         self.last: dict[str, float] = {}
         self.link = Link(ctx.store, f"worker {self.rank}", _SERVER, traffic=ctx.traffic,
-                         timeout=ctx.cfg.cluster.timeout, backend=ctx.backend, net=ctx.cfg.cluster.net, tag="easgd")
+                         timeout=ctx.cfg.cluster.timeout, backend=ctx.backend, net=ctx.cfg.cluster.net, tag="easgd",
+                         transport=ctx.cfg.cluster.transport)
         header = torch.tensor([flat.numel(), _DTYPES.index(flat.dtype)], dtype=torch.int64)
         self.link.send_to_peer(header, TAG_EASGD)
         self._send(_OP_HELLO)
@@ -205,7 +206,8 @@ class _CentreServer:
         ctx, worker = self.ctx, f"worker {rank}"
         try:
             link = Link(ctx.store, _SERVER, worker, traffic=ctx.traffic, timeout=ctx.cfg.cluster.timeout,
-                        backend=ctx.backend, net=ctx.cfg.cluster.net, tag="easgd")
+                        backend=ctx.backend, net=ctx.cfg.cluster.net, tag="easgd",
+                        transport=ctx.cfg.cluster.transport)
         except CommError as exc:
             self._lose(rank, exc)
             return

@@ -208,7 +208,8 @@ class GossipStrategy(Strategy):
     def _link(self, peer: int) -> Link:
         ctx = self.ctx
         return Link(ctx.store, f"worker {self.rank}", f"worker {peer}", traffic=ctx.traffic,
-                    timeout=ctx.cfg.cluster.timeout, backend=ctx.backend, net=ctx.cfg.cluster.net, tag="adpsgd")
+                    timeout=ctx.cfg.cluster.timeout, backend=ctx.backend, net=ctx.cfg.cluster.net, tag="adpsgd",
+                    transport=ctx.cfg.cluster.transport)
 
     def _lose(self, peer: int, exc: BaseException) -> None:
         if peer not in self.lost:

@@ -276,7 +276,8 @@ class _WeightTree:
             return None
         try:
             return Link(self.w.ctx.store, f"worker {self.rank}", f"worker {peer}", traffic=self.w.ctx.traffic,
-                        timeout=self.timeout, net=self.w.cfg.cluster.net, tag="weights")
+                        timeout=self.timeout, net=self.w.cfg.cluster.net, tag="weights",
+                        transport=self.w.cfg.cluster.transport)
         except CommError as exc:
             logger.warning("worker %d: no weight link to worker %d (%s)", self.rank, peer, exc)
             if peer == self.tree.weight_parent(self.rank):
