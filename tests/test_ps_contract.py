@@ -2,8 +2,9 @@
 
 One spawned job of 4 workers and 3 servers runs every case in turn (``ps_fns.ps_cases``):
 bsp for S in 1..3 and P in 1..4 with server-side momentum and with Adagrad, ssp with
-T = 0, softsync with N = P, and asp with one worker. Each must give the model that one
-process gets by training with the whole global batch and ``torch.optim``.
+T = 0, softsync with N = P, and asp with one worker, every other case over gloo's sockets
+and the rest over shared memory. Each must give the model that one process gets by
+training with the whole global batch and ``torch.optim``.
 """
 from __future__ import annotations
 
@@ -89,6 +90,9 @@ def _cases(tmp_path) -> list[dict]:
          "steps": 31},
     ]
     for i, case in enumerate(cases):
+        # Half the cases over gloo's sockets, half over shared memory (the default on one
+        # machine): both transports must give the same model.
+        case["transport"] = "socket" if i % 2 else "auto"
         case["out"] = str(tmp_path / f"{i:02d}-{case['consistency']}-{case['optimizer']}-p{case['workers']}"
                                      f"-s{case['servers']}")
     return cases

@@ -36,7 +36,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -133,29 +133,50 @@ def silent_for(peer: Any, beats: int, now: float, peer_timeout: float, timeout: 
     return f"no heartbeat for {silent:.1f} s (limit {limit:g} s)" if silent > limit else None
 
 
-def recv_payloads(link: Link, header: Header, reuse: torch.Tensor | None = None) -> list[torch.Tensor]:
+def recv_payloads(link: Link, header: Header, reuse: torch.Tensor | None = None, borrow: bool = False
+                  ) -> tuple[list[torch.Tensor], Callable[[], None]]:
     """Receive the payloads ``header`` announced (the dense one into ``reuse`` when it fits);
     ProtocolError if one is shorter than announced (gloo accepts a short message silently:
     its last element keeps our mark) or holds non-finite numbers (a diverged worker must not
-    poison the model)."""
-    out = []
-    for i, (numel, dtype) in enumerate(request_payloads(header)):
-        fits = i == 0 and header.count == numel and dtype.is_floating_point and reuse is not None \
-            and reuse.numel() == numel and reuse.dtype == dtype
-        buf = reuse if fits else torch.empty(numel, dtype=dtype)
-        mark_payload(buf)
-        link.recv_from_peer(buf)
-        if payload_short(buf):
-            raise ProtocolError(f"{link.peer} sent a payload shorter than {header.describe()} announced",
-                                peer=link.peer)
-        # One sum instead of an elementwise test (torch.isfinite(x).all() is 30x slower on
-        # a CPU thread): it is non-finite when any element is, or when the elements are
-        # so large that they overflow, which a sane gradient never does either.
-        if dtype.is_floating_point and not bool(torch.isfinite(buf.sum())):
-            raise ProtocolError(f"{link.peer} sent non-finite values with {header.describe()}: its training "
-                                f"diverged; lower --lr", peer=link.peer)
-        out.append(buf)
-    return out
+    poison the model).
+
+    With ``borrow`` the dense payload may stay in a shared-memory link's ring
+    (``Link.recv_view``): no copy, and the caller calls the returned ``release`` as soon as
+    it has used it. (A process of the same user could change those bytes after our checks;
+    such a process could as well write our memory through /proc, so this gives nothing away.)"""
+    out: list[torch.Tensor] = []
+    releases: list[Callable[[], None]] = []
+
+    def release() -> None:
+        for free in releases:
+            free()
+
+    try:
+        for i, (numel, dtype) in enumerate(request_payloads(header)):
+            dense = i == 0 and header.count == numel and dtype.is_floating_point
+            fits = dense and reuse is not None and reuse.numel() == numel and reuse.dtype == dtype
+            buf = reuse if fits else torch.empty(numel, dtype=dtype)
+            mark_payload(buf)
+            if borrow and dense:
+                data, free = link.recv_view(buf)
+                releases.append(free)
+            else:
+                link.recv_from_peer(buf)
+                data = buf
+            if data.numel() != numel or payload_short(data):
+                raise ProtocolError(f"{link.peer} sent a payload shorter than {header.describe()} announced",
+                                    peer=link.peer)
+            # One sum instead of an elementwise test (torch.isfinite(x).all() is 30x slower on
+            # a CPU thread): it is non-finite when any element is, or when the elements are
+            # so large that they overflow, which a sane gradient never does either.
+            if dtype.is_floating_point and not bool(torch.isfinite(data.sum())):
+                raise ProtocolError(f"{link.peer} sent non-finite values with {header.describe()}: its training "
+                                    f"diverged; lower --lr", peer=link.peer)
+            out.append(data)
+    except BaseException:
+        release()
+        raise
+    return out, release
 
 
 class ParameterServer:
@@ -243,7 +264,9 @@ class ParameterServer:
         # Let the threads of lost workers finish closing their links: a thread still inside a
         # gloo or store call while the interpreter tears down aborts the process ("terminate
         # called"). One stuck in a receive from a hung worker (until its idle limit) is left
-        # behind: exiting while a thread waits in a gloo receive is safe (measured).
+        # behind: exiting while a thread waits in a gloo receive is safe (measured). A thread
+        # still opening its link (a joiner lost before it reached this server) gives up at
+        # once (Link's ``cancelled``).
         deadline = time.monotonic() + 5.0
         for peer in list(self.peers.values()):
             if _running(peer.thread):
@@ -362,7 +385,8 @@ class ParameterServer:
         peer_name = self.names[worker]
         try:
             link = Link(self.store.clone(), self.me, peer_name, traffic=self.traffic, timeout=self.timeout,
-                        net=self.cfg.cluster.net)
+                        net=self.cfg.cluster.net, transport=self.cfg.cluster.transport,
+                        cancelled=lambda: self._stop.is_set() or self.peers[worker].state == LOST)
         except CommError as exc:
             self._lose(worker, f"its link could not be opened: {exc}")
             return
@@ -399,11 +423,16 @@ class ParameterServer:
         except CommError:
             pass
 
-    def _recv_payloads(self, link: Link, header: Header, peer: _Worker) -> list[torch.Tensor]:
-        out = recv_payloads(link, header, peer.rx)
-        if header.count and out and out[0].numel() == header.count and out[0].dtype.is_floating_point:
+    def _recv_payloads(self, link: Link, header: Header, peer: _Worker
+                       ) -> tuple[list[torch.Tensor], Callable[[], None]]:
+        """The request's payloads; a push's gradient is borrowed from a shared-memory ring
+        (see ``_push``), so the returned release must be called once it is applied."""
+        borrow = header.op in (Op.PUSH, Op.PUSH_PULL, Op.SPARSE_PUSH) and link.transport == "shm"
+        out, release = recv_payloads(link, header, peer.rx, borrow=borrow)
+        if header.count and out and out[0].numel() == header.count and out[0].dtype.is_floating_point \
+                and not borrow:
             peer.rx = out[0]  # reused for the next push, unless the gate keeps it (see _push)
-        return out
+        return out, release
 
     def _handle(self, link: Link, worker: int, h: Header) -> bool:
         """Serve one request; returns False when the link is to be closed."""
@@ -421,12 +450,15 @@ class ParameterServer:
         if h.members > self.cfg.cluster.workers:
             raise ProtocolError(f"{link.peer} announced {h.members} gradients in one push, more than the job's "
                                 f"{self.cfg.cluster.workers} workers", peer=link.peer)
-        payloads = self._recv_payloads(link, h, peer)
+        payloads, release = self._recv_payloads(link, h, peer)
         op = Op(h.op)
         if op in (Op.PUSH, Op.PUSH_PULL, Op.SPARSE_PUSH):
-            if state != ACTIVE:
-                raise ProtocolError(f"{link.peer} pushed after BYE", peer=link.peer)
-            self._push(worker, h, payloads)
+            try:
+                if state != ACTIVE:
+                    raise ProtocolError(f"{link.peer} pushed after BYE", peer=link.peer)
+                self._push(worker, h, payloads, borrowed=link.transport == "shm")
+            finally:
+                release()
             if op == Op.PUSH_PULL:
                 self._wait_read(worker, h.clock + 1)
                 self._send_reply(link, h, worker, dense=True, rows=None)
@@ -476,7 +508,7 @@ class ParameterServer:
             raise ProtocolError(f"{link.peer} sent a second INIT", peer=link.peer)
         self._layout(h, link.peer)
         check_request(h, self.spec, worker, link.peer)
-        payloads = self._recv_payloads(link, h, self.peers[worker])
+        payloads, _ = self._recv_payloads(link, h, self.peers[worker])
         dense = payloads[0] if h.count else torch.empty(0, dtype=self.spec.dtype)
         keys = payloads[1 if h.count else 0] if h.keys else torch.empty(0, dtype=torch.int64)
         if h.keys and (len(keys) != len(self.owned_keys) or not torch.equal(keys, self.owned_keys)):
@@ -553,7 +585,9 @@ class ParameterServer:
             raise ProtocolError(f"{name} claims a version ahead of the shard's {self.version}", peer=name)
         return members
 
-    def _push(self, worker: int, h: Header, payloads: list[torch.Tensor]) -> None:
+    def _push(self, worker: int, h: Header, payloads: list[torch.Tensor], borrowed: bool = False) -> None:
+        """Hand a push to the gate and apply what it releases. ``borrowed``: the dense
+        gradient is a view of a shared-memory ring, released when this returns."""
         spec = self.spec
         name = self.names[worker]
         dense = payloads[0] if h.count else None
@@ -573,7 +607,11 @@ class ParameterServer:
             peer.pushed += 1
             self.last_push = time.monotonic()
             if not any(p is push for group in groups for p in group):
-                peer.rx = None  # the gate holds this buffer until the push is applied
+                # The gate holds this gradient until its group is complete: its buffer is
+                # no longer ours to reuse, and a borrowed one must be copied out of the ring.
+                peer.rx = None
+                if borrowed and dense is not None:
+                    push.payload.dense = dense.clone()
             self._apply(groups)
             self.cond.notify_all()
 
