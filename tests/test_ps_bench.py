@@ -11,9 +11,10 @@ from plexus.cli import main
 
 
 @pytest.mark.slow
-def test_bench_ps_rows(capsys):
+@pytest.mark.parametrize("transport", ["auto", "socket"])
+def test_bench_ps_rows(capsys, transport):
     status = main(["bench", "ps", "--sizes", "20k", "--workers", "2", "--servers", "2", "--rounds", "3",
-                   "--warmup", "1", "--repeats", "1", "--json"])
+                   "--warmup", "1", "--repeats", "1", "--transport", transport, "--json"])
     out = capsys.readouterr().out
     assert status == 0
     rows = json.loads(out.strip().splitlines()[-1])
@@ -21,6 +22,7 @@ def test_bench_ps_rows(capsys):
     for key in ("ours_rt_per_s", "ours_gb_per_s", "rpc_rt_per_s", "rpc_gb_per_s", "ratio", "link_gb_per_s"):
         assert math.isfinite(rows[0][key]) and rows[0][key] > 0, key
     assert rows[0]["ours_gb_per_s"] == pytest.approx(rows[0]["ours_rt_per_s"] * 8 * 20_000 / 1e9)
+    assert rows[0]["transport"] == transport
     assert "ours" in out and "rpc" in out  # the table
 
 

@@ -11,11 +11,12 @@ a worker calls all S at once (``rpc_async``, then waits), as ours does.
 
 Ours: ``plexus.ps`` servers (asp, plain SGD, the real protocol with its checks) and the
 worker's ``PSClient.push_pull``: one fused push-and-pull per round trip, one header
-and one payload each way per shard over gloo Links.
+and one payload each way per shard over Links, whose ``--transport`` is shared memory on
+one machine by default (``cluster/shm.py``; ``--transport socket`` gives gloo's sockets).
 
-A third column, ``link``, is what the same gloo links carry when the servers do nothing
-but echo the bytes back (same messages: a header and a payload each way): the ceiling of
-any parameter server over them on this machine, against which ours can be judged.
+A third column, ``link``, is what the same links carry when the servers do nothing but
+echo the bytes back (same messages: a header and a payload each way): the ceiling of any
+parameter server over them on this machine, against which ours can be judged.
 
 For each (workers P, servers S) one job of P + S processes is spawned; inside it, for
 each size, the contenders run ``--rounds`` timed round trips per worker after
@@ -66,6 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed round trips first (default 3)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="runs of each contender, alternated; the median is kept (default 3)")
+    parser.add_argument("--transport", default="auto", choices=["auto", "socket", "shm"],
+                        help="what carries our links (default auto: shared memory on one machine)")
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON list on the last line")
 
 
@@ -97,10 +100,10 @@ def main(args: argparse.Namespace) -> int:
             budget = 300.0 + 2e-8 * sum(sizes) * (args.rounds + args.warmup) * p * 40 * args.repeats
             results = spawn("plexus.bench.ps:measure", p + s,
                             {"workers": p, "servers": s, "sizes": sizes, "rounds": args.rounds,
-                             "warmup": args.warmup, "repeats": args.repeats},
+                             "warmup": args.warmup, "repeats": args.repeats, "transport": args.transport},
                             timeout=budget, comm_timeout=120.0)
             for size in sizes:
-                row = {"size": size, "workers": p, "servers": s}
+                row = {"size": size, "workers": p, "servers": s, "transport": args.transport}
                 for name in ("ours", "rpc", "link"):
                     # Per repeat the slowest worker's time; then the median over repeats.
                     seconds = statistics.median(max(r[str(size)][name][k] for r in results[:p])
@@ -111,7 +114,7 @@ def main(args: argparse.Namespace) -> int:
                 row["ratio"] = row["ours_rt_per_s"] / row["rpc_rt_per_s"]
                 rows.append(row)
     table = Table(title=f"parameter server push-pull vs torch.distributed.rpc: {args.rounds} round trips per "
-                        f"worker after {args.warmup} warm-up")
+                        f"worker after {args.warmup} warm-up, --transport {args.transport}")
     for col in ("params", "workers", "servers", "ours RT/s", "ours GB/s", "rpc RT/s", "rpc GB/s", "ours / rpc",
                 "link GB/s", "ours / link"):
         table.add_column(col, justify="right")
@@ -129,8 +132,8 @@ def main(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------
 # Inside each spawned process: ranks < workers are workers, the rest servers.
 
-def measure(group, workers: int, servers: int, sizes: list[int], rounds: int, warmup: int, repeats: int
-            ) -> dict[str, dict[str, list[float]]]:
+def measure(group, workers: int, servers: int, sizes: list[int], rounds: int, warmup: int, repeats: int,
+            transport: str = "auto") -> dict[str, dict[str, list[float]]]:
     """Per size and contender, this worker's timed seconds of each repeat ({} on servers)."""
     import torch
     import torch.distributed as dist
@@ -143,9 +146,11 @@ def measure(group, workers: int, servers: int, sizes: list[int], rounds: int, wa
         for contender in order:
             store = dist.PrefixStore(f"bench/{size}/{k}/{contender}/", group.store)
             if contender == "ours":
-                seconds = _ours(store, group.rank, workers, servers, size, rounds, warmup, group.timeout)
+                seconds = _ours(store, group.rank, workers, servers, size, rounds, warmup, group.timeout,
+                                transport)
             elif contender == "link":
-                seconds = _link(store, group.rank, workers, servers, size, rounds, warmup, group.timeout)
+                seconds = _link(store, group.rank, workers, servers, size, rounds, warmup, group.timeout,
+                                transport)
             else:
                 seconds = _rpc(group.rank, workers, servers, size, rounds, warmup, i, group)
             if seconds is not None:
@@ -154,7 +159,7 @@ def measure(group, workers: int, servers: int, sizes: list[int], rounds: int, wa
 
 
 def _ours(store, rank: int, workers: int, servers: int, size: int, rounds: int, warmup: int,
-          timeout: float) -> float | None:
+          timeout: float, transport: str = "auto") -> float | None:
     import torch
 
     from plexus.cluster.rendezvous import store_barrier
@@ -166,12 +171,13 @@ def _ours(store, rank: int, workers: int, servers: int, size: int, rounds: int, 
 
     cfg = JobConfig.from_flat({"strategy": "ps", "consistency": "asp", "workers": workers, "servers": servers,
                                "optimizer": "sgd", "momentum": 0.0, "lr": 1e-6, "batch_size": workers,
-                               "timeout": timeout, "peer_timeout": min(30.0, timeout / 2)})
+                               "timeout": timeout, "peer_timeout": min(30.0, timeout / 2), "transport": transport})
     if rank >= workers:
         ParameterServer(store, rank - workers, cfg, Traffic()).serve()
         return None
     beat = Heartbeat(store, rank, cfg.cluster.peer_timeout / 5)
-    client = PSClient(store, rank, servers, numel=size, dtype=torch.float32, traffic=Traffic(), timeout=timeout)
+    client = PSClient(store, rank, servers, numel=size, dtype=torch.float32, traffic=Traffic(), timeout=timeout,
+                      transport=transport)
     try:
         client.connect()
         flat = torch.zeros(size)
@@ -196,7 +202,7 @@ def _ours(store, rank: int, workers: int, servers: int, size: int, rounds: int, 
 # --- the ceiling: the same links, servers that only echo --------------------------------
 
 def _link(store, rank: int, workers: int, servers: int, size: int, rounds: int, warmup: int,
-          timeout: float) -> float | None:
+          timeout: float, transport: str = "auto") -> float | None:
     import threading
 
     import torch
@@ -214,7 +220,8 @@ def _link(store, rank: int, workers: int, servers: int, size: int, rounds: int, 
         numel = sharding.size(server)
 
         def echo(worker: int) -> None:
-            link = Link(store.clone(), f"server {server}", f"worker {worker}", traffic=Traffic(), timeout=timeout)
+            link = Link(store.clone(), f"server {server}", f"worker {worker}", traffic=Traffic(), timeout=timeout,
+                        transport=transport)
             head, body = header.clone(), torch.empty(numel)
             for _ in range(warmup + rounds):
                 link.recv_from_peer(head)
@@ -229,7 +236,8 @@ def _link(store, rank: int, workers: int, servers: int, size: int, rounds: int, 
         for thread in threads:
             thread.join()
         return None
-    links = [Link(store, f"worker {rank}", f"server {s}", traffic=Traffic(), timeout=timeout) for s in range(servers)]
+    links = [Link(store, f"worker {rank}", f"server {s}", traffic=Traffic(), timeout=timeout, transport=transport)
+             for s in range(servers)]
     grad, flat = torch.full((size,), 1e-3), torch.zeros(size)
 
     def round_trip() -> None:
