@@ -18,12 +18,13 @@ A third column, ``link``, is what the same links carry when the servers do nothi
 echo the bytes back (same messages: a header and a payload each way): the ceiling of any
 parameter server over them on this machine, against which ours can be judged.
 
-For each (workers P, servers S) one job of P + S processes is spawned; inside it, for
-each size, the contenders run ``--rounds`` timed round trips per worker after
-``--warmup`` untimed ones, in an order that alternates from size to size. A round trip moves the gradient to the
-servers and the parameters back: 2 x 4 N bytes for N float32 parameters. Rates are
-aggregates over the workers: total round trips divided by the slowest worker's time, the
-median over ``--repeats`` runs (a shared machine drifts; alternating spreads the drift).
+For each (workers P, servers S), each contender and each repeat, one job of P + S fresh
+processes is spawned (see ``measure``); inside it, for each size, the workers run
+``--rounds`` timed round trips after ``--warmup`` untimed ones. The contenders' order
+alternates from repeat to repeat. A round trip moves the gradient to the servers and the
+parameters back: 2 x 4 N bytes for N float32 parameters. Rates are aggregates over the
+workers: total round trips divided by the slowest worker's time, the median over
+``--repeats`` runs (a shared machine drifts; alternating spreads the drift).
 """
 from __future__ import annotations
 
@@ -97,18 +98,21 @@ def main(args: argparse.Namespace) -> int:
     for p in workers:
         for s in servers:
             console.print(f"[dim]bench ps: {p} workers, {s} servers[/dim]")
-            budget = 300.0 + 2e-8 * sum(sizes) * (args.rounds + args.warmup) * p * 40 * args.repeats
-            results = spawn("plexus.bench.ps:measure", p + s,
-                            {"workers": p, "servers": s, "sizes": sizes, "rounds": args.rounds,
-                             "warmup": args.warmup, "repeats": args.repeats, "transport": args.transport},
-                            timeout=budget, comm_timeout=120.0)
+            budget = 300.0 + 2e-8 * sum(sizes) * (args.rounds + args.warmup) * p * 40
+            # seconds[name][size]: per repeat, the slowest worker's time.
+            seconds: dict[str, dict[int, list[float]]] = {name: {size: [] for size in sizes} for name in CONTENDERS}
+            for k in range(args.repeats):
+                for name in CONTENDERS if k % 2 == 0 else CONTENDERS[::-1]:
+                    results = spawn("plexus.bench.ps:measure", p + s,
+                                    {"contender": name, "workers": p, "servers": s, "sizes": sizes,
+                                     "rounds": args.rounds, "warmup": args.warmup, "transport": args.transport},
+                                    timeout=budget, comm_timeout=120.0)
+                    for size in sizes:
+                        seconds[name][size].append(max(r[str(size)] for r in results[:p]))
             for size in sizes:
                 row = {"size": size, "workers": p, "servers": s, "transport": args.transport}
-                for name in ("ours", "rpc", "link"):
-                    # Per repeat the slowest worker's time; then the median over repeats.
-                    seconds = statistics.median(max(r[str(size)][name][k] for r in results[:p])
-                                                for k in range(args.repeats))
-                    rate = p * args.rounds / seconds
+                for name in CONTENDERS:
+                    rate = p * args.rounds / statistics.median(seconds[name][size])
                     row[f"{name}_rt_per_s"] = rate
                     row[f"{name}_gb_per_s"] = rate * 2 * 4 * size / 1e9
                 row["ratio"] = row["ours_rt_per_s"] / row["rpc_rt_per_s"]
@@ -132,29 +136,28 @@ def main(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------
 # Inside each spawned process: ranks < workers are workers, the rest servers.
 
-def measure(group, workers: int, servers: int, sizes: list[int], rounds: int, warmup: int, repeats: int,
-            transport: str = "auto") -> dict[str, dict[str, list[float]]]:
-    """Per size and contender, this worker's timed seconds of each repeat ({} on servers)."""
+CONTENDERS = ("ours", "rpc", "link")
+
+
+def measure(group, contender: str, workers: int, servers: int, sizes: list[int], rounds: int, warmup: int,
+            transport: str = "auto") -> dict[str, float]:
+    """Per size, this worker's timed seconds for ``contender`` ({} on servers). Each run of
+    each contender has fresh processes: the rpc reference slowed down from one
+    ``init_rpc`` to the next in one process (12.6, 8.9, 7.0 round trips per second at 10M,
+    2 workers, 2 servers), and more so after our runs in the same processes."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    out: dict[str, dict[str, list[float]]] = {str(size): {"ours": [], "rpc": [], "link": []} for size in sizes}
-    runs = [(size, k) for k in range(repeats) for size in sizes]
-    for i, (size, k) in enumerate(runs):
-        order = ["ours", "rpc", "link"] if i % 2 == 0 else ["link", "rpc", "ours"]
-        for contender in order:
-            store = dist.PrefixStore(f"bench/{size}/{k}/{contender}/", group.store)
-            if contender == "ours":
-                seconds = _ours(store, group.rank, workers, servers, size, rounds, warmup, group.timeout,
-                                transport)
-            elif contender == "link":
-                seconds = _link(store, group.rank, workers, servers, size, rounds, warmup, group.timeout,
-                                transport)
-            else:
-                seconds = _rpc(group.rank, workers, servers, size, rounds, warmup, i, group)
-            if seconds is not None:
-                out[str(size)][contender].append(seconds)
+    if contender == "rpc":
+        return _rpc(group, workers, servers, sizes, rounds, warmup)
+    run = _ours if contender == "ours" else _link
+    out = {}
+    for size in sizes:
+        store = dist.PrefixStore(f"bench/{size}/", group.store)
+        seconds = run(store, group.rank, workers, servers, size, rounds, warmup, group.timeout, transport)
+        if seconds is not None:
+            out[str(size)] = seconds
     return out
 
 
@@ -263,18 +266,18 @@ def _link(store, rank: int, workers: int, servers: int, size: int, rounds: int, 
 
 # --- the reference: PyTorch's RPC parameter server ---------------------------------------
 
-_SHARD: dict[str, Any] = {}
+_SHARDS: dict[int, Any] = {}
 
 
-def _ref_update_and_fetch(grad):
-    """Runs on a reference server: apply SGD to its shard under a lock, return the shard."""
-    with _SHARD["lock"]:
-        _SHARD["params"].add_(grad, alpha=-1e-6)
-        return _SHARD["params"]
+def _ref_update_and_fetch(size, grad):
+    """Runs on a reference server: apply SGD to its shard of the ``size`` model under a
+    lock, return the shard."""
+    with _SHARDS[size]["lock"]:
+        _SHARDS[size]["params"].add_(grad, alpha=-1e-6)
+        return _SHARDS[size]["params"]
 
 
-def _rpc(rank: int, workers: int, servers: int, size: int, rounds: int, warmup: int, run: int,
-         group) -> float | None:
+def _rpc(group, workers: int, servers: int, sizes: list[int], rounds: int, warmup: int) -> dict[str, float]:
     import threading
 
     import torch
@@ -282,23 +285,28 @@ def _rpc(rank: int, workers: int, servers: int, size: int, rounds: int, warmup: 
 
     from plexus.ps.sharding import RangeSharding
 
+    rank = group.rank
     names = [f"worker{r}" for r in range(workers)] + [f"ps{s}" for s in range(servers)]
-    sharding = RangeSharding(size, servers)
     if rank >= workers:
-        start, stop = sharding.range(rank - workers)
-        _SHARD.update(params=torch.zeros(stop - start), lock=threading.Lock())
-    # Every rpc group needs its own rendezvous: the spawn group's store under a fresh prefix.
-    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{_port_for(group, run)}",
+        for size in sizes:
+            start, stop = RangeSharding(size, servers).range(rank - workers)
+            _SHARDS[size] = {"params": torch.zeros(stop - start), "lock": threading.Lock()}
+    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{_port_for(group)}",
                                               rpc_timeout=group.timeout)
     rpc.init_rpc(names[rank], rank=rank, world_size=workers + servers, rpc_backend_options=options)
-    seconds = None
+    out = {}
     try:
-        if rank < workers:
+        for size in sizes:
+            if rank >= workers:
+                group.barrier()
+                continue
+            sharding = RangeSharding(size, servers)
             grads = [torch.full((stop - start,), 1e-3) for start, stop in (sharding.range(s) for s in range(servers))]
             flat = torch.zeros(size)
 
             def round_trip() -> None:
-                futures = [rpc.rpc_async(f"ps{s}", _ref_update_and_fetch, args=(grads[s],)) for s in range(servers)]
+                futures = [rpc.rpc_async(f"ps{s}", _ref_update_and_fetch, args=(size, grads[s]))
+                           for s in range(servers)]
                 for s, fut in enumerate(futures):
                     start, stop = sharding.range(s)
                     flat[start:stop] = fut.wait()
@@ -309,17 +317,15 @@ def _rpc(rank: int, workers: int, servers: int, size: int, rounds: int, warmup: 
             begin = time.perf_counter()
             for _ in range(rounds):
                 round_trip()
-            seconds = time.perf_counter() - begin
-        else:
-            group.barrier()
+            out[str(size)] = time.perf_counter() - begin
     finally:
         rpc.shutdown()
-    return seconds
+    return out
 
 
-def _port_for(group, run: int) -> int:
-    """A free port for this run's rpc rendezvous, chosen by rank 0 and shared through the store."""
-    key = f"bench/rpc-port/{run}"
+def _port_for(group) -> int:
+    """A free port for the rpc rendezvous, chosen by rank 0 and shared through the store."""
+    key = "bench/rpc-port"
     if group.rank == 0:
         group.store.set(key, str(_free_port()))
     group.store.wait([key])
