@@ -101,7 +101,8 @@ def test_a_message_no_region_can_hold_goes_inline(shm_dir, monkeypatch):
     ("nbytes", 10_000, "10000 bytes where 256 were posted"),
     ("offset", 4000, "outside its ring"),
     ("seq", -1, "out of sequence"),
-    ("generation", 5, "out of sequence"),
+    ("generation", 100, "out of sequence"),
+    ("generation", 5, "cannot be opened"),
 ])
 def test_bad_tokens_raise_protocol_errors(shm_dir, field, value, message):
     out, inbox = pair(capacity=4096)

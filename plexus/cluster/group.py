@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 from plexus.cluster.traffic import Traffic
 from plexus.config import NetSpec
-from plexus.cluster.shm import Channel, Inbox, Outbox, host_id, make_fifo, new_base, open_fifo, peer_alive
+from plexus.cluster.shm import (Channel, Inbox, Outbox, host_id, make_fifo, new_base, open_fifo, peer_alive,
+                                unlink_quietly)
 from plexus.errors import CommError, CommTimeout, ConfigError, PeerLost, ProtocolError
 
 __all__ = ["Endpoint", "Group", "Link", "Work", "TRANSPORTS", "make_process_group", "translate_error"]
@@ -102,13 +103,6 @@ class Work:
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 class Endpoint:
@@ -286,10 +280,14 @@ class Link(Endpoint):
     ``peer`` is always member index ``1 - rank``.
 
     ``transport``: ``auto`` moves messages through shared memory when both ends are on
-    one machine (``shm.py``: the gloo pair then carries a small token per message) and
-    over gloo's sockets otherwise; ``socket`` always uses the sockets; ``shm`` insists on
-    shared memory and raises ConfigError when the two ends cannot share it. Either way the
-    calls, their order, timeouts, errors and traffic counts are the same.
+    one machine (``shm.py``: rings for the bytes, a FIFO for a small token per message;
+    the gloo pair only sets the link up) and over gloo's sockets otherwise; ``socket``
+    always uses the sockets; ``shm`` insists on shared memory and raises ConfigError when
+    the two ends cannot share it. Either way the calls, their order, timeouts, errors and
+    traffic counts are the same.
+
+    ``cancelled``: polled while waiting for the peer to come, to give up early (a peer
+    declared lost meanwhile).
     """
 
     def __init__(self, store: dist.Store, me: str, peer: str, *, traffic: Traffic, timeout: float,
@@ -340,8 +338,8 @@ class Link(Endpoint):
         try:
             outbox = Outbox(base, nonce, self.me, self.peer)
             rfd = make_fifo(base)
-        except OSError as exc:
-            why = f"{self.me} cannot make shared-memory files in {os.path.dirname(base)}: {exc.strerror}"
+        except (OSError, AttributeError) as exc:  # AttributeError: no posix_fallocate on this OS
+            why = f"{self.me} cannot make shared-memory files in {os.path.dirname(base)}: {exc}"
         name = os.path.basename(base).encode().ljust(_NAME_BYTES, b"\0")
         hello = torch.cat([torch.tensor([int(not why), host_id(), os.getpid(), nonce]),
                            torch.frombuffer(bytearray(name), dtype=torch.int64)])
@@ -364,7 +362,7 @@ class Link(Endpoint):
         # Both sides have opened these, or neither will.
         if outbox is not None:
             outbox.region.unlink()
-        _unlink_quietly(f"{base}-fifo")
+        unlink_quietly(f"{base}-fifo")
         if inbox is not None and wfd >= 0 and agreed:
             outbox.peer_pid = pid
             self.shm = Channel(self.me, self.peer, outbox, inbox, rfd, wfd, self._inline_send, self._inline_recv)

@@ -53,7 +53,7 @@ import torch
 from plexus.errors import CommError, CommTimeout, PeerLost, ProtocolError
 
 __all__ = ["Channel", "Outbox", "Inbox", "Region", "Token", "INLINE", "host_id", "new_base", "open_fifo",
-           "make_fifo", "peer_alive", "shm_dir"]
+           "make_fifo", "peer_alive", "shm_dir", "unlink_quietly"]
 
 # Bytes before the ring: int64 slots [consumed sequence, nonce, capacity].
 _CTRL = 64
@@ -65,6 +65,7 @@ _TOKEN_BYTES = _TOKEN_FIELDS * 8
 INLINE = -1
 FIRST_CAPACITY = 1 << 20
 MAX_CAPACITY = 1 << 30
+_MAX_GENERATIONS = 64  # regions double from 1 MiB: far more than MAX_CAPACITY needs
 _NAME = re.compile(r"^plexus-[0-9a-f]{24}-(fifo|[0-9]+)$")
 
 
@@ -135,7 +136,7 @@ def _checked(path: str, peer: str, kind: Callable[[int], bool]) -> os.stat_resul
     return info
 
 
-def _unlink(path: str) -> None:
+def unlink_quietly(path: str) -> None:
     try:
         os.unlink(path)
     except FileNotFoundError:
@@ -180,7 +181,7 @@ class Region:
             os.posix_fallocate(fd, 0, _CTRL + capacity)
         except OSError:
             os.close(fd)
-            _unlink(path)
+            unlink_quietly(path)
             raise
         os.close(fd)
         region = cls(path, capacity)
@@ -201,7 +202,7 @@ class Region:
         return region
 
     def unlink(self) -> None:
-        _unlink(self.path)
+        unlink_quietly(self.path)
 
 
 @dataclass(frozen=True)
@@ -327,11 +328,12 @@ class Inbox:
         if token.nbytes < 0 or token.nbytes > capacity:
             raise ProtocolError(f"{self.me}: {self.peer} sent {token.nbytes} bytes where {capacity} were posted",
                                 peer=self.peer)
-        if token.seq < self.next or token.seq in self.done or not 0 <= token.generation <= len(self.regions):
+        if token.seq < self.next or token.seq in self.done or not 0 <= token.generation < _MAX_GENERATIONS:
             raise ProtocolError(f"{self.me}: {self.peer} sent a token out of sequence ({token.seq}, "
                                 f"region {token.generation})", peer=self.peer)
-        if token.generation == len(self.regions):
-            region = Region.open(self.base, token.generation, self.nonce, self.peer)
+        # Tokens of different tags may be taken out of order, so regions may be skipped over.
+        while len(self.regions) <= token.generation:
+            region = Region.open(self.base, len(self.regions), self.nonce, self.peer)
             region.unlink()
             self.regions.append(region)
         ring = self.regions[token.generation].capacity
