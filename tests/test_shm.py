@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -228,6 +229,27 @@ def test_a_closed_peer_is_lost_at_once_and_a_silent_one_times_out(shm_dir):
     with pytest.raises(PeerLost, match="lost a"):
         b.recv_from_peer(torch.empty(4), timeout=30)
     b.close()
+
+
+def test_closing_a_link_ends_a_wait_on_it_in_another_thread(shm_dir):
+    a, b = _link_pair("shm")
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            b.recv_from_peer(torch.empty(4), timeout=30)
+        except PeerLost as exc:
+            errors.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.2)  # the waiter is inside poll()
+    started = time.monotonic()
+    b.close()
+    waiter.join(timeout=10)
+    assert not waiter.is_alive() and time.monotonic() - started < 5
+    assert len(errors) == 1 and "closed here" in str(errors[0])
+    a.close()
 
 
 def test_a_message_longer_than_posted_is_a_protocol_error_not_a_crash(shm_dir):

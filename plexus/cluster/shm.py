@@ -407,8 +407,12 @@ class Channel:
         self._reading = False
         self._broken: str | None = None
         self._partial = b""
+        # A pipe of our own wakes the thread reading the FIFO when the link is closed here
+        # (closing a descriptor another thread polls does not wake it).
+        self._wake_r, self._wake_w = os.pipe()
         self._poll_in, self._poll_out = select.poll(), select.poll()
         self._poll_in.register(rfd, select.POLLIN)
+        self._poll_in.register(self._wake_r, select.POLLIN)
         self._poll_out.register(wfd, select.POLLOUT)
 
     # --- sending ---------------------------------------------------------------------------
@@ -435,7 +439,7 @@ class Channel:
                     raise CommTimeout(f"{self.me}: send of {nbytes} bytes: {self.peer} did not answer within "
                                       f"{timeout:g} s", peer=self.peer) from None
                 self._poll_out.poll(min(left, 1.0) * 1000)
-            except (BrokenPipeError, OSError) as exc:
+            except OSError as exc:  # EPIPE: the peer's reading end is gone
                 raise PeerLost(f"{self.me}: send of {nbytes} bytes: lost {self.peer} ({exc.strerror})",
                                peer=self.peer) from None
 
@@ -492,11 +496,15 @@ class Channel:
     def _read(self, timeout: float) -> bytes | None:
         """One token from the FIFO, or None if none came within ``timeout`` (without the lock)."""
         if len(self._partial) < _TOKEN_BYTES:
-            if not self._poll_in.poll(timeout * 1000):
-                return None
+            ready = self._poll_in.poll(timeout * 1000)
+            if not ready or any(fd == self._wake_r for fd, _ in ready):
+                return None  # nothing yet, or closed here (``_broken`` says so)
             try:
                 chunk = os.read(self.rfd, 64 * _TOKEN_BYTES)
             except BlockingIOError:
+                return None
+            except OSError as exc:
+                self._broken = f"its link failed: {exc.strerror}"
                 return None
             if not chunk:
                 self._broken = "its end of the link closed"
@@ -551,8 +559,16 @@ class Channel:
                 receive.seq, receive.data = None, None
 
     def close(self) -> None:
-        """Close both FIFO ends: the peer's waits end with PeerLost."""
-        for fd in (self.rfd, self.wfd):
+        """Close both FIFO ends: the peer's waits end with PeerLost, and so do waits here."""
+        with self._cond:
+            if self._broken is None:
+                self._broken = "the link was closed here"
+            os.write(self._wake_w, b"x")
+            deadline = time.monotonic() + 5.0
+            while self._reading and time.monotonic() < deadline:  # let the reader leave poll()
+                self._cond.wait(0.05)
+            self._cond.notify_all()
+        for fd in (self.rfd, self.wfd, self._wake_r, self._wake_w):
             try:
                 os.close(fd)
             except OSError:
