@@ -12,7 +12,9 @@ are matched to tokens per tag in the order they were posted, as gloo matches mes
 receive's data is copied out of the ring when a thread waiting on the link reads its
 token (one waiting thread reads the FIFO at a time and hands tokens to the others). The
 FIFO also gives the failures: its end-of-file when the peer's process is gone
-(``PeerLost``), and a ``poll`` timeout when it is silent (``CommTimeout``).
+(``PeerLost``), and a ``poll`` timeout when it is silent (``CommTimeout``). A receive may
+also *borrow* its message (``post(view=True)``): it gets a view of the ring and frees the
+space with ``Pending.release``, which saves a parameter server one copy per push.
 
 Ring (``Outbox``). Messages sit contiguously, ``ALIGN``-aligned; the receiver writes the
 sequence number below which every message has been copied out, and the sender reuses
