@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 from plexus.cluster.traffic import Traffic
 from plexus.config import NetSpec
-from plexus.cluster.shm import (Channel, Inbox, Outbox, host_id, make_fifo, new_base, open_fifo, peer_alive,
-                                unlink_quietly)
+from plexus.cluster.shm import Inbox, Outbox, host_id, make_fifo, new_base, open_fifo, peer_alive, unlink_quietly
+from plexus.cluster.shm_channel import Channel
 from plexus.errors import CommError, CommTimeout, ConfigError, PeerLost, ProtocolError
 
 __all__ = ["Endpoint", "Group", "Link", "Work", "TRANSPORTS", "make_process_group", "translate_error"]
