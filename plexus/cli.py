@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from plexus.config import TRANSPORTS
+
 __all__ = ["main", "build_parser"]
 
 
@@ -70,7 +72,7 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(g, "timeout", type=float, help="seconds any blocking operation waits (default 60)")
     _flag(g, "peer-timeout", type=float, help="seconds of silence before a peer is lost (default 10)")
     _flag(g, "backend", choices=["auto", "gloo", "nccl"], help="communication backend")
-    _flag(g, "transport", choices=["auto", "socket", "shm"],
+    _flag(g, "transport", choices=list(TRANSPORTS),
           help="point-to-point links: auto (shared memory on one machine), socket or shm")
     _flag(g, "device", choices=["auto", "cpu", "cuda"], help="compute device")
     _flag(g, "threads", type=int, help="torch threads per process (default 1; 0: torch's default)")

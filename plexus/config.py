@@ -21,6 +21,7 @@ __all__ = [
     "SlowSpec",
     "KillSpec",
     "NetSpec",
+    "TRANSPORTS",
     "ClusterConfig",
     "StrategyConfig",
     "RunConfig",
@@ -29,6 +30,10 @@ __all__ = [
     "parse_kill",
     "parse_net",
 ]
+
+
+# What may carry a point-to-point link (ClusterConfig.transport, cluster.group.Link).
+TRANSPORTS = ("auto", "socket", "shm")
 
 
 def _require(ok: bool, name: str, rule: str, value: Any, fix: str) -> None:
@@ -216,7 +221,7 @@ class ClusterConfig:
                  self.backend, "pass --backend auto")
         _require(self.device in ("auto", "cpu", "cuda"), "device", "must be auto, cpu or cuda", self.device,
                  "pass --device auto")
-        _require(self.transport in ("auto", "socket", "shm"), "transport", "must be auto, socket or shm",
+        _require(self.transport in TRANSPORTS, "transport", "must be auto, socket or shm",
                  self.transport, "pass --transport auto")
         _require(self.threads >= 0, "threads", "must be non-negative", self.threads, "pass --threads 1")
         for spec in (*self.slow, *self.kill):

@@ -68,7 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed round trips first (default 3)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="runs of each contender, alternated; the median is kept (default 3)")
-    parser.add_argument("--transport", default="auto", choices=["auto", "socket", "shm"],
+    from plexus.config import TRANSPORTS
+
+    parser.add_argument("--transport", default="auto", choices=list(TRANSPORTS),
                         help="what carries our links (default auto: shared memory on one machine)")
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON list on the last line")
 

@@ -23,14 +23,12 @@ import torch
 import torch.distributed as dist
 
 from plexus.cluster.traffic import Traffic
-from plexus.config import NetSpec
+from plexus.config import TRANSPORTS, NetSpec
 from plexus.cluster.shm import Inbox, Outbox, host_id, make_fifo, new_base, open_fifo, peer_alive, unlink_quietly
 from plexus.cluster.shm_channel import Channel
 from plexus.errors import CommError, CommTimeout, ConfigError, PeerLost, ProtocolError
 
-__all__ = ["Endpoint", "Group", "Link", "Work", "TRANSPORTS", "make_process_group", "translate_error"]
-
-TRANSPORTS = ("auto", "socket", "shm")
+__all__ = ["Endpoint", "Group", "Link", "Work", "make_process_group", "translate_error"]
 # A shared-memory link's region name travels in this many bytes of its hello.
 _NAME_BYTES = 32
 # Tag offset of the bytes of a message too large for any shared-memory region.

@@ -423,11 +423,11 @@ class ParameterServer:
         except CommError:
             pass
 
-    def _recv_payloads(self, link: Link, header: Header, peer: _Worker
+    def _recv_payloads(self, link: Link, header: Header, peer: _Worker, borrow: bool = False
                        ) -> tuple[list[torch.Tensor], Callable[[], None]]:
-        """The request's payloads; a push's gradient is borrowed from a shared-memory ring
-        (see ``_push``), so the returned release must be called once it is applied."""
-        borrow = header.op in (Op.PUSH, Op.PUSH_PULL, Op.SPARSE_PUSH) and link.transport == "shm"
+        """The request's payloads; with ``borrow`` the dense one may be a view of a
+        shared-memory ring (see ``_push``), and the returned release must be called once it
+        is applied."""
         out, release = recv_payloads(link, header, peer.rx, borrow=borrow)
         if header.count and out and out[0].numel() == header.count and out[0].dtype.is_floating_point \
                 and not borrow:
@@ -450,13 +450,15 @@ class ParameterServer:
         if h.members > self.cfg.cluster.workers:
             raise ProtocolError(f"{link.peer} announced {h.members} gradients in one push, more than the job's "
                                 f"{self.cfg.cluster.workers} workers", peer=link.peer)
-        payloads, release = self._recv_payloads(link, h, peer)
         op = Op(h.op)
+        # A push's gradient is applied straight from a shared-memory ring, without a copy.
+        borrow = op in (Op.PUSH, Op.PUSH_PULL, Op.SPARSE_PUSH) and link.transport == "shm"
+        payloads, release = self._recv_payloads(link, h, peer, borrow)
         if op in (Op.PUSH, Op.PUSH_PULL, Op.SPARSE_PUSH):
             try:
                 if state != ACTIVE:
                     raise ProtocolError(f"{link.peer} pushed after BYE", peer=link.peer)
-                self._push(worker, h, payloads, borrowed=link.transport == "shm")
+                self._push(worker, h, payloads, borrowed=borrow)
             finally:
                 release()
             if op == Op.PUSH_PULL:
