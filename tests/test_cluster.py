@@ -17,25 +17,14 @@ from plexus.cluster.rendezvous import ProcessInfo, connect_store, host_store, ne
 from plexus.cluster.spawn import spawn
 from plexus.config import ClusterConfig, parse_kill, parse_net, parse_slow
 from plexus.errors import ConfigError
+from procs import alive, role_processes
 
 PY = sys.executable
 
 
-def processes_of(parent_pid: int) -> list[int]:
-    """Live processes started by the launcher with this PID (they carry it in their environment)."""
-    marker = f"PLEXUS_PARENT_PID={parent_pid}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            if marker in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
-                state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
-                if state != "Z":
-                    found.append(int(entry))
-        except OSError:
-            continue
-    return found
+def processes_of(launcher_pid: int) -> list[int]:
+    """Live role processes the launcher with this PID started (forked or spawned)."""
+    return sorted(role_processes(launcher_pid).values())
 
 
 def wait_until(predicate, timeout: float) -> bool:
@@ -95,29 +84,31 @@ def _start_training(tmp_path: Path, *extra: str) -> subprocess.Popen:
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_to_launcher_leaves_no_process(tmp_path, sig):
     proc = _start_training(tmp_path)
+    started = processes_of(proc.pid)
     proc.send_signal(sig)
     proc.wait(timeout=5)
     assert proc.returncode == 128 + sig
-    assert wait_until(lambda: processes_of(proc.pid) == [], 5), processes_of(proc.pid)
+    assert wait_until(lambda: not any(map(alive, started)), 5), [p for p in started if alive(p)]
 
 
 @pytest.mark.slow
 def test_sigkill_of_launcher_takes_children_down(tmp_path):
     proc = _start_training(tmp_path)
+    started = processes_of(proc.pid)
     proc.kill()
     proc.wait(timeout=5)
-    assert wait_until(lambda: processes_of(proc.pid) == [], 5), processes_of(proc.pid)
+    assert wait_until(lambda: not any(map(alive, started)), 5), [p for p in started if alive(p)]
 
 
 @pytest.mark.slow
 def test_killed_child_ends_job_with_its_status(tmp_path):
     proc = _start_training(tmp_path, "--timeout", "5")
-    victim = processes_of(proc.pid)[0]
-    os.kill(victim, signal.SIGKILL)
+    started = processes_of(proc.pid)
+    os.kill(started[0], signal.SIGKILL)
     _, err = proc.communicate(timeout=20)
     assert proc.returncode != 0
     assert "exited with status" in err.decode()
-    assert wait_until(lambda: processes_of(proc.pid) == [], 5)
+    assert wait_until(lambda: not any(map(alive, started)), 5)
 
 
 # --- rendezvous -----------------------------------------------------------------------

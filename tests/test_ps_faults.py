@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from procs import role_processes
 
 import plexus
 from plexus.train.metrics import read_events
@@ -60,16 +61,7 @@ def test_evaluation_goes_on_when_worker_0_is_lost(tmp_path, strategy):
 
 def _worker_pid(launcher: int, rank: int) -> int | None:
     """The pid of worker ``rank`` among the processes the launcher ``launcher`` started."""
-    want = {b"PLEXUS_PARENT_PID=" + str(launcher).encode(), b"PLEXUS_ROLE=worker",
-            b"PLEXUS_ROLE_RANK=" + str(rank).encode()}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if want <= set(Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")):
-                    return int(entry)
-            except OSError:
-                continue
-    return None
+    return role_processes(launcher).get(f"worker {rank}")
 
 
 @pytest.mark.slow

@@ -5,6 +5,9 @@ when it receives SIGINT/SIGTERM (SIGTERM first, SIGKILL after a grace period, so
 child dies too), and returns the first failure's exit status. Children run in their own
 process groups and ask the kernel to kill them if the launcher dies (see ``child.py``),
 so no orphan survives the launcher.
+
+Start-up: given an ``entry`` function, children are forked from a fork server that has
+already imported torch (``forkserver.py``), where that is safe.
 """
 from __future__ import annotations
 
@@ -17,6 +20,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence, TextIO
+
+from plexus.cluster.forkserver import ForkServer, can_fork
 
 __all__ = ["RoleSpec", "launch", "exit_status"]
 
@@ -79,8 +84,13 @@ class _Children:
 def launch(argv: Sequence[str], roles: Sequence[RoleSpec], *, env: dict[str, str] | None = None,
            may_fail: Callable[[RoleSpec, int], bool] | None = None, poll: Callable[[], None] | None = None,
            grace: float = 2.0, sink: TextIO | None = None, time_limit: float | None = None,
-           on_exit: Callable[[RoleSpec, int], None] | None = None) -> int:
+           on_exit: Callable[[RoleSpec, int], None] | None = None,
+           entry: Callable[[], int | None] | None = None, threads: int = 1) -> int:
     """Run ``argv`` once per role and wait for all of them.
+
+    With ``entry``, the function that ``argv`` would run, each child is forked from a fork
+    server and calls ``entry()`` where ``can_fork(threads)`` allows; else ``argv`` starts a
+    fresh interpreter.
 
     Each child gets ``env`` plus its role's ``env`` plus ``PLEXUS_ROLE``,
     ``PLEXUS_ROLE_RANK`` and ``PLEXUS_PARENT_PID``. A child whose failure ``may_fail``
@@ -107,13 +117,19 @@ def launch(argv: Sequence[str], roles: Sequence[RoleSpec], *, env: dict[str, str
     pumps = []
     status = 0
     started = time.monotonic()
+    # Forked now, before any child exists, while this process's threads are idle.
+    forks = ForkServer(entry) if entry is not None and can_fork(threads) else None
     try:
         for spec in roles:
             child_env = {**base_env, **spec.env, "PLEXUS_ROLE": spec.role, "PLEXUS_ROLE_RANK": str(spec.rank),
                          "PLEXUS_PARENT_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1"}
-            proc = subprocess.Popen(list(argv), env=child_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+            if forks is not None:
+                proc = forks.start(child_env)
+            else:
+                proc = subprocess.Popen(list(argv), env=child_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
             children.procs.append((spec, proc))
+        for spec, proc in children.procs:
             pump = threading.Thread(target=_pump, args=(proc.stdout, f"[{spec.name}] ", sink, lock), daemon=True)
             pump.start()
             pumps.append(pump)
@@ -147,6 +163,8 @@ def launch(argv: Sequence[str], roles: Sequence[RoleSpec], *, env: dict[str, str
         children.stop(grace)
         for pump in pumps:
             pump.join(timeout=grace)
+        if forks is not None:
+            forks.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return status

@@ -41,7 +41,7 @@ def spawn(target: str, procs: int, args: dict[str, Any] | None = None, *, timeou
     roles = [RoleSpec("worker", r, {"RANK": str(r)}) for r in range(procs)]
     log = io.StringIO()
     status = launch([sys.executable, "-m", "plexus.cluster.spawn"], roles, env=base, sink=log,
-                    time_limit=timeout, grace=1.0)
+                    time_limit=timeout, grace=1.0, entry=_child)
     if status != 0:
         raise JobFailed(f"spawn of {target} on {procs} processes failed with status {status}:\n"
                         f"{log.getvalue()}", exit_code=status)
@@ -49,6 +49,8 @@ def spawn(target: str, procs: int, args: dict[str, Any] | None = None, *, timeou
 
 
 def _child() -> None:
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     from plexus.cluster.child import prepare_child
     prepare_child()
     from plexus.cluster.group import Group
@@ -72,5 +74,4 @@ def _child() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.getcwd())
     _child()

@@ -16,7 +16,8 @@ def main() -> int:
     from plexus.cluster.child import prepare_child
     prepare_child()
     debug = bool(os.environ.get("PLEXUS_DEBUG"))
-    logging.basicConfig(level=logging.INFO if debug else logging.WARNING, format="%(message)s", stream=sys.stderr)
+    logging.basicConfig(level=logging.INFO if debug else logging.WARNING, format="%(message)s", stream=sys.stderr,
+                        force=True)  # a forked child replaces the handlers it inherited
     from plexus.cluster.rendezvous import ProcessInfo, connect_store
     from plexus.config import JobConfig
     from plexus.errors import PlexusError

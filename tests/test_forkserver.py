@@ -1,0 +1,83 @@
+"""The fork server (cluster/forkserver.py): children forked from a process that has
+imported torch start in milliseconds, behave as spawned ones do, and leave nothing behind."""
+from __future__ import annotations
+
+import io
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+import plexus
+from plexus.cluster.forkserver import can_fork
+from plexus.cluster.launcher import RoleSpec, launch
+from procs import descendants, role_processes
+
+PY = sys.executable
+
+
+def _entry() -> int:
+    from plexus.cluster.child import prepare_child
+    prepare_child()
+    rank = int(os.environ["PLEXUS_ROLE_RANK"])
+    name = open(f"/proc/{os.getpid()}/comm").read().strip()
+    print(f"forked {rank} as {name!r}, parent {os.getppid()}, torch loaded {'torch' in sys.modules}")
+    if os.environ.get("MODE") == "fail" and rank == 1:
+        return 7
+    if os.environ.get("MODE") == "hang":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(60)
+    return 0
+
+
+def test_children_are_forked_named_and_report_their_status(monkeypatch):
+    monkeypatch.setenv("PLEXUS_START", "fork")
+    sink = io.StringIO()
+    status = launch([PY, "-c", "raise SystemExit(99)"], [RoleSpec("worker", r) for r in range(3)], sink=sink,
+                    entry=_entry, env={**os.environ, "MODE": "ok"})
+    assert status == 0, sink.getvalue()
+    out = sink.getvalue()
+    for r in range(3):
+        assert f"[worker {r}] forked {r} as 'worker {r}'" in out and "torch loaded True" in out
+    assert f"parent {os.getpid()}" not in out  # grandchildren: the fork server is their parent
+    assert descendants(os.getpid()) == []
+
+
+def test_a_failed_child_stops_the_rest_even_one_that_ignores_sigterm(monkeypatch):
+    monkeypatch.setenv("PLEXUS_START", "fork")
+    started = time.monotonic()
+    sink = io.StringIO()
+    status = launch([PY], [RoleSpec("worker", 0), RoleSpec("worker", 1)], sink=sink, entry=_entry, grace=1.0,
+                    env={**os.environ, "MODE": "fail"})
+    assert status == 7 and "worker 1 exited with status 7" in sink.getvalue()
+    status = launch([PY], [RoleSpec("worker", 0)], sink=sink, entry=_entry, grace=1.0, time_limit=1.0,
+                    env={**os.environ, "MODE": "hang"})
+    assert status == 124
+    assert time.monotonic() - started < 15
+    assert descendants(os.getpid()) == []
+
+
+def test_spawn_is_used_where_forking_is_unsafe_or_asked_against(monkeypatch):
+    monkeypatch.delenv("PLEXUS_START", raising=False)
+    assert can_fork(threads=0) is False  # an OpenMP pool may not survive a fork
+    assert can_fork(threads=1) is sys.platform.startswith("linux")
+    monkeypatch.setenv("PLEXUS_START", "spawn")
+    assert can_fork(threads=1) is False
+    sink = io.StringIO()
+    code = "import os; print('spawned', os.getppid())"
+    assert launch([PY, "-c", code], [RoleSpec("worker", 0)], sink=sink, entry=_entry) == 0
+    assert f"spawned {os.getpid()}" in sink.getvalue()
+
+
+@pytest.mark.slow
+def test_a_forked_job_trains_exactly_as_a_spawned_one(monkeypatch, tmp_path):
+    results = {}
+    for start in ("fork", "spawn"):
+        monkeypatch.setenv("PLEXUS_START", start)
+        summary = plexus.run({"strategy": "allreduce", "algorithm": "ring", "workers": 2, "steps": 20,
+                              "eval_every": 0, "out": str(tmp_path / start), "quiet": True})
+        results[start] = (summary["final_test_accuracy"], summary["final_test_loss"])
+    assert results["fork"] == results["spawn"]
+    assert role_processes(os.getpid()) == {}
