@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime as dt
 import errno
 import hashlib
+import ipaddress
 import json
 import logging
 import os
@@ -106,6 +107,37 @@ def _port_in_use(host: str, port: int) -> bool:
     return False
 
 
+def _listen(host: str, port: int) -> tuple[int, int] | None:
+    """An IPv4 socket listening on ``host:port`` for the store: (its fd, now the store's
+    to close, and its port); None unless ``host`` is an IPv4 address (a name may resolve
+    to IPv6 for the clients), and then the store binds itself.
+
+    The store's server thread names every client that connects with a reverse lookup
+    (``getnameinfo`` in c10d's ``formatSockAddr``), one client at a time, and serves nobody
+    meanwhile. Left to itself the store listens on ``::``, so a client on loopback arrives
+    as ``::ffff:127.0.0.1``, which /etc/hosts does not list: the lookup goes to DNS, and
+    where DNS is slow (5.0 s, the resolver's timeout, measured on the 2-core CI machine)
+    every store call of every process of the job waits that long: the heartbeats stood
+    still for 5 s and the watchers dropped live workers. An IPv4 socket sees
+    ``127.0.0.1``, which /etc/hosts answers at once; it also binds the store to ``host``
+    (loopback by default) rather than to every interface."""
+    try:
+        if ipaddress.ip_address(host).version != 4:
+            return None
+    except ValueError:
+        return None
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(16384)  # as c10d's own listener; the kernel caps it at somaxconn
+    except OSError:
+        sock.close()
+        raise
+    bound = sock.getsockname()[1]
+    return sock.detach(), bound
+
+
 def host_store(host: str, port: int, token: str, timeout: float) -> dist.TCPStore:
     """Start the job's store on ``host:port`` (port 0 picks a free one) and stamp the token.
 
@@ -115,8 +147,10 @@ def host_store(host: str, port: int, token: str, timeout: float) -> dist.TCPStor
         raise ConfigError(f"port {port} on {host} is already in use: pass --port 0 for a free port, "
                           f"or stop the process holding it")
     try:
-        store = dist.TCPStore(host, port, None, is_master=True, timeout=dt.timedelta(seconds=timeout),
-                              wait_for_workers=False)
+        listener = _listen(host, port)
+        store = dist.TCPStore(host, port if listener is None else listener[1], None, is_master=True,
+                              timeout=dt.timedelta(seconds=timeout), wait_for_workers=False,
+                              master_listen_fd=None if listener is None else listener[0])
     except (RuntimeError, OSError) as exc:
         raise ConfigError(f"cannot start the rendezvous store on {host}:{port}: {exc}") from None
     store.set(_DIGEST_KEY, _digest(token))

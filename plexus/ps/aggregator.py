@@ -42,10 +42,11 @@ from plexus.cluster.group import Link
 from plexus.cluster.traffic import Traffic
 from plexus.config import JobConfig
 from plexus.errors import CommError, ProtocolError
-from plexus.ps.client import Heartbeat, PSClient
+from plexus.ps.client import PSClient
+from plexus.ps.heartbeat import Heartbeat, Log, Watch
 from plexus.ps.protocol import (HEADER_BYTES, MEMBER_FIELDS, SENTINEL, Header, Op, ShardSpec, Status, check_request,
                                 code_dtype, decode, encode, header_buffer)
-from plexus.ps.server import KEYS, recv_payloads, silent_for
+from plexus.ps.server import KEYS, recv_payloads
 from plexus.ps.sharding import RangeSharding
 from plexus.ps.tree import ROOT, Node, Tree
 
@@ -91,7 +92,7 @@ class Aggregator:
     root's softsync group size (gradients per update)."""
 
     def __init__(self, store: dist.Store, index: int, cfg: JobConfig, traffic: Traffic, n: int,
-                 push_only: bool = False, emulator: Emulator | None = None) -> None:
+                 push_only: bool = False, emulator: Emulator | None = None, log: Log | None = None) -> None:
         self.store, self.index, self.cfg, self.traffic = store, index, cfg, traffic
         self.n, self.push_only, self.emulator = n, push_only, emulator
         self.node = Node("aggregator", index)
@@ -104,6 +105,9 @@ class Aggregator:
         self.timeout, self.peer_timeout = cfg.cluster.timeout, cfg.cluster.peer_timeout
         self.idle_limit = 2 * self.timeout + self.peer_timeout
         self.interval = min(0.25, self.peer_timeout / 4)
+        self.log = log   # the metrics log, for long heartbeat gaps
+        self.watch = Watch(self.me, self.peer_timeout, self.timeout, self.interval, log=log)
+        self.heartbeat: Heartbeat | None = None
         self.children = [_Child(c.name, self.tree.leaves(c)) for c in self.tree.children(self.node)]
         self.cond = threading.Condition()
         self.pending: list[_Entry] = []
@@ -124,7 +128,8 @@ class Aggregator:
 
     def serve(self) -> dict[str, Any]:
         """Run until every child has shut down; returns the final record."""
-        heartbeat = Heartbeat(self.store, self.index, self.peer_timeout / 5, role="aggregator")
+        heartbeat = self.heartbeat = Heartbeat(self.store, self.index, self.peer_timeout / 5, role="aggregator",
+                                               limit=self.peer_timeout, log=self.log)
         stop = threading.Event()
         monitor = threading.Thread(target=self._monitor, args=(stop,), name=f"{self.me} monitor", daemon=True)
         try:
@@ -166,7 +171,8 @@ class Aggregator:
                     "lost": dict(self.lost),
                     "lost_workers": sorted(w for c in self.children if c.state == LOST for w in c.leaves),
                     "protocol_errors": self.protocol_errors, "bytes_sent": self.traffic.bytes_sent,
-                    "bytes_recv": self.traffic.bytes_recv}
+                    "bytes_recv": self.traffic.bytes_recv,
+                    "heartbeat": {**self.watch.record(), **(self.heartbeat.record() if self.heartbeat else {})}}
 
     # --- the uplink -----------------------------------------------------------------------
 
@@ -233,15 +239,16 @@ class Aggregator:
 
     def _monitor(self, stop: threading.Event) -> None:
         """Children's heartbeats, on its own store connection."""
-        store = self.store.clone()
+        store = self.watch.attach(self.store.clone())
         while not stop.is_set():
             now = time.monotonic()
+            self.watch.tick(now)
             with self.cond:
                 watched = [i for i, c in enumerate(self.children) if c.state in (EXPECTED, ACTIVE, FINISHED)]
             for i in watched:
                 beats = store.add(KEYS.heartbeat_of(self.children[i].name), 0)
                 with self.cond:
-                    why = silent_for(self.children[i], beats, now, self.peer_timeout, self.timeout)
+                    why = self.watch.judge(self.children[i].name, beats, now, self.children[i].since)
                 if why is not None:
                     self._lose(i, why)
             stop.wait(self.interval)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from dataclasses import dataclass, field, replace
 
@@ -25,6 +24,7 @@ from plexus.cluster.group import Link, Work
 from plexus.cluster.traffic import Traffic
 from plexus.config import NetSpec
 from plexus.errors import ConfigError, PeerLost, ProtocolError
+from plexus.ps.heartbeat import Heartbeat, Watch
 from plexus.ps.protocol import HEADER_LEN, Header, Op, Status, check_reply, decode, dtype_code, encode
 from plexus.ps.server import KEYS, VNODES
 from plexus.ps.sharding import HashRing, RangeSharding
@@ -281,18 +281,18 @@ class PSClient:
         for as long as the servers keep beating; returns the worker that evaluates the final
         model (server 0's choice, -1 for none)."""
         keys = [KEYS.drained(s) for s in range(self.servers)]
-        beats = {s: (-1, time.monotonic()) for s in range(self.servers)}
+        # The servers have beaten since the start, so silence counts from now on; our own
+        # stalls (a store that answers late stops us too) are not held against them.
+        watch, start = Watch(self.me, peer_timeout, peer_timeout, 0.1), time.monotonic()
         pause = 0.005
         while not self.store.check(keys):
             now = time.monotonic()
+            watch.tick(now)
             for s in range(self.servers):
-                count = self.store.add(KEYS.heartbeat("server", s), 0)
-                last, since = beats[s]
-                if count != last:
-                    beats[s] = (count, now)
-                elif now - since > peer_timeout:
-                    raise PeerLost(f"{self.me}: server {s} stopped beating for {peer_timeout:g} s while the job "
-                                   f"drained", peer=f"server {s}")
+                why = watch.judge(f"server {s}", self.store.add(KEYS.heartbeat("server", s), 0), now, start)
+                if why is not None:
+                    raise PeerLost(f"{self.me}: server {s} stopped beating while the job drained: {why}",
+                                   peer=f"server {s}")
             time.sleep(pause)
             pause = min(0.1, pause * 2)
         return int(json.loads(self.store.get(KEYS.drained(0)).decode())["evaluator"])
@@ -302,30 +302,3 @@ class PSClient:
         return self._exchange([_Request(Header(op=op, sender=self.sender, shard=s, clock=clock,
                                                dtype=dtype_code(self.dtype), total=self.numel, rows=self.rows))
                                for s in range(self.servers)])
-
-
-class Heartbeat:
-    """Bumps ``ps/hb/<role>/<rank>`` every ``interval`` seconds on its own store connection
-    (a blocking store call elsewhere must not hold the beats up), so servers and
-    aggregators can tell a live worker (or aggregator) from a silent one."""
-
-    def __init__(self, store: dist.Store, rank: int, interval: float, role: str = "worker") -> None:
-        self._store, self._key, self._interval = store.clone(), KEYS.heartbeat(role, rank), interval
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"{role} {rank} heartbeat", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self._store.add(self._key, 1)
-            except RuntimeError as exc:  # the store went away: the job is over
-                logger.debug("heartbeat %s stopped: %s", self._key, exc)
-                return
-            self._stop.wait(self._interval)
-
-    def stop(self, timeout: float) -> None:
-        """Stop and join: a thread still inside a store call while the interpreter tears down
-        aborts the process ("terminate called" at exit)."""
-        self._stop.set()
-        self._thread.join(timeout=timeout)
