@@ -33,9 +33,6 @@ def test_tree_covers_every_worker_once_and_the_root_sees_at_most_fanout(workers,
     for node in tree.nodes():
         assert tree.children(tree.parent(node))[tree.position(node)] == node
     assert tree.height == max(tree.depth(Node("worker", r)) for r in range(workers))
-    # Weight tree of Rudra-adv*: every worker but 0 has one parent above it.
-    for r in range(1, workers):
-        assert tree.weight_parent(r) < r and r in tree.weight_children(tree.weight_parent(r))
 
 
 def test_tree_shapes_by_hand():
@@ -180,14 +177,16 @@ JOB = dict(strategy="tree-ps", dataset="digits", model="mlp", workers=4, fanout=
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant, victim, lost", [
-    ("adv", "aggregator:0", {"aggregator 0": [0, 1]}),
-    ("adv", "worker:3", {"worker 3": [3]}),
-    ("adv-star", "aggregator:1", {"aggregator 1": [2, 3]}),
-    ("adv-star", "worker:0", {"worker 0": [0]}),   # worker 0 also heads the weight tree
+@pytest.mark.parametrize("variant, victim, lost, transport", [
+    ("adv", "aggregator:0", {"aggregator 0": [0, 1]}, "auto"),
+    ("adv", "worker:3", {"worker 3": [3]}, "auto"),
+    ("adv-star", "aggregator:1", {"aggregator 1": [2, 3]}, "auto"),
+    ("adv-star", "worker:0", {"worker 0": [0]}, "auto"),     # worker 1 evaluates instead
+    ("adv-star", "worker:2", {"worker 2": [2]}, "socket"),   # its read links break as sockets do
 ])
-def test_a_lost_worker_or_aggregator_leaves_the_others_running(tmp_path, variant, victim, lost):
-    summary = plexus.run({**JOB, "variant": variant, "kill": f"{victim}@step=8", "out": str(tmp_path)})
+def test_a_lost_worker_or_aggregator_leaves_the_others_running(tmp_path, variant, victim, lost, transport):
+    summary = plexus.run({**JOB, "variant": variant, "kill": f"{victim}@step=8", "transport": transport,
+                          "out": str(tmp_path)})
     assert summary["lost_with"] == lost and summary["lost_workers"] == sorted(w for ws in lost.values() for w in ws)
     assert summary["final_test_accuracy"] is not None and summary["protocol_errors"] == 0
     applied = summary["updates_applied_by_worker"]
@@ -209,3 +208,41 @@ def test_root_fan_in_and_bytes_base_against_adv(tmp_path):
     assert got["base"]["root_max_fan_in"] == 4 and got["adv"]["root_max_fan_in"] == 2
     ratio = got["base"]["root_bytes_per_update"] / got["adv"]["root_bytes_per_update"]
     assert 1.8 < ratio < 2.2, ratio
+
+
+# --- Rudra-adv*: learners read the weights straight from the servers -----------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["socket", "shm"])
+def test_a_read_waits_for_a_newer_version_and_is_no_push(transport):
+    """A learner's read (ps/readers.py) is answered once the shard is newer than what the
+    learner holds, or after READ_WAIT; reads are outside the gate and the fan-in."""
+    results = spawn("tree_fns:reads", 4, {"transport": transport}, timeout=120, comm_timeout=60)
+    reader = next(r for r in results if r["role"] == "reader")
+    assert reader["first"] == {"versions": [1, 1], "weights": [-1.0] * 4}  # it waited for the push
+    assert reader["second"]["versions"] == [1, 1] and reader["second"]["waited"] >= 0.8 * reader["second"]["least"]
+    for server in (r["record"] for r in results if r["role"] == "server"):
+        assert server["reads"] == {"worker 1": 2} and server["protocol_errors"] == 0
+        assert server["gradients"] == {"0": 1} and server["fan_in_counts"] == {"1": 1}  # reads push nothing
+        assert server["version"] == 1 and server["staleness_counts"] == [1]
+
+
+@pytest.mark.slow
+def test_adv_star_learners_read_the_root_whose_fan_in_stays_at_the_fanout(tmp_path):
+    """adv and adv-star on the same job: in adv-star the weights cross one link (root to
+    learner) instead of the tree's height, every learner reads the servers, the root still
+    hears pushes from its K children only, and the staleness stays near adv's (the weight
+    tree this replaced measured 19 against 2.7). The bound is loose: a loaded 2-core
+    machine moves both means by a factor of 1.5."""
+    job = {**JOB, "workers": 4, "fanout": 2, "steps": 150, "log_every": 50}
+    got = {v: plexus.run({**job, "variant": v, "out": str(tmp_path / v)}) for v in ("adv", "adv-star")}
+    adv, star = got["adv"], got["adv-star"]
+    assert adv["weight_hops"] == Tree(4, 2).height == 2 and star["weight_hops"] == 1
+    assert adv["weight_reads_by_worker"] == {}
+    assert all(n > 0 for n in star["weight_reads_by_worker"].values()) and len(star["weight_reads_by_worker"]) == 4
+    for summary in (adv, star):
+        assert summary["root_max_fan_in"] <= 2 and max(map(int, summary["root_fan_in_counts"])) <= 2
+        assert summary["updates_applied"] == summary["pushes_acknowledged"] == 4 * job["steps"]
+        assert summary["protocol_errors"] == 0 and summary["lost_workers"] == []
+    assert star["staleness_mean"] <= 2 * adv["staleness_mean"] + 1, (star["staleness_mean"], adv["staleness_mean"])

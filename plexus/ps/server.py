@@ -46,6 +46,7 @@ from plexus.cluster.traffic import Traffic
 from plexus.config import JobConfig
 from plexus.errors import CommError, CommTimeout, ProtocolError
 from plexus.ps.consistency import Consistency, Push, SoftSync, make_consistency
+from plexus.ps.heartbeat import Log, Watch, beat_key
 from plexus.ps.optimizers import ServerOptimizer, make_server_optimizer
 from plexus.ps.protocol import (HEADER_BYTES, MEMBER_FIELDS, SENTINEL, Header, Op, ShardSpec, Status, check_request,
                                 code_dtype, decode, encode, header_buffer, mark_payload, payload_short,
@@ -68,7 +69,7 @@ class KEYS:
 
     @staticmethod
     def heartbeat(role: str, rank: int) -> str:
-        return f"ps/hb/{role}/{rank}"
+        return beat_key(role, rank)
 
     @staticmethod
     def heartbeat_of(name: str) -> str:
@@ -184,10 +185,13 @@ class ParameterServer:
 
     ``children`` names the processes that talk to it, in sender order: by default the
     workers; at the root of a tree (``tree.py``) the root's children, aggregators or
-    workers, which may push the sums of several workers' gradients (tree pushes)."""
+    workers, which may push the sums of several workers' gradients (tree pushes).
+    ``readers`` names processes that only read the weights, on links of their own (the
+    learners of Rudra-adv*, ``readers.py``): outside the gate, the fan-in and the drain."""
 
     def __init__(self, store: dist.Store, index: int, cfg: JobConfig, traffic: Traffic,
-                 children: list[str] | None = None) -> None:
+                 children: list[str] | None = None, readers: list[str] | None = None, log: Log | None = None
+                 ) -> None:
         self.store, self.index, self.cfg, self.traffic = store, index, cfg, traffic
         self.me = f"server {index}"
         self.servers = max(1, cfg.cluster.servers)
@@ -199,6 +203,8 @@ class ParameterServer:
         # --timeout) plus a step; a gloo receive that times out breaks its pair for good.
         self.idle_limit = 2 * self.timeout + self.peer_timeout
         self.interval = min(0.25, self.peer_timeout / 4)
+        # Judges the workers' heartbeats and records their gaps; ``log`` gets the long ones.
+        self.watch = Watch(self.me, self.peer_timeout, self.timeout, self.interval, log=log)
         s = cfg.strategy
         self.gate: Consistency = make_consistency(s.consistency, self.workers, s.staleness, s.softsync)
         self.cond = threading.Condition()
@@ -230,6 +236,8 @@ class ParameterServer:
             self.peers[w] = _Worker(EXPECTED, now)
             self.gate.join(w, 0)
         self._stop = threading.Event()
+        from plexus.ps.readers import ShardReaders  # here: readers.py imports the client, which imports us
+        self.readers = ShardReaders(self, readers or [])
 
     # --- the process's main loop ------------------------------------------------------
 
@@ -239,6 +247,7 @@ class ParameterServer:
         for w in range(self.workers):
             self._start_link(w)
         monitor.start()
+        self.readers.start()
         published = False
         try:
             while True:
@@ -271,6 +280,7 @@ class ParameterServer:
         for peer in list(self.peers.values()):
             if _running(peer.thread):
                 peer.thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        self.readers.stop(deadline)
         return self.record()
 
     def _done(self) -> bool:
@@ -290,6 +300,7 @@ class ParameterServer:
                 "applied": {str(w): p.applied for w, p in sorted(self.peers.items())},
                 "acked": {str(w): p.acked for w, p in sorted(self.peers.items())},
                 "staleness_counts": list(self.histogram.counts),
+                "reads": dict(self.readers.reads), "heartbeat": self.watch.record(),
                 "lost": {str(w): why for w, why in sorted(self.lost.items())},
                 "joined": {str(w): v for w, v in self.joined.items()}, "protocol_errors": self.protocol_errors,
                 "bytes_sent": self.traffic.bytes_sent, "bytes_recv": self.traffic.bytes_recv,
@@ -308,12 +319,13 @@ class ParameterServer:
         """Heartbeats (ours and the workers'), losses declared by other servers, and joins.
         Uses its own store connection: a blocking store call in another thread must not
         hold up the heartbeats."""
-        store = self.store.clone()
+        store = self.watch.attach(self.store.clone())
         beat_key = KEYS.heartbeat("server", self.index)
         known_joins = 0
         while not self._stop.is_set():
             store.add(beat_key, 1)
             now = time.monotonic()
+            self.watch.tick(now)
             with self.cond:
                 watched = [w for w, p in self.peers.items() if p.state in (EXPECTED, ACTIVE, FINISHED)]
             for w in watched:
@@ -322,7 +334,7 @@ class ParameterServer:
                     self._lose(w, "declared lost by another server", announce=False)
                     continue
                 with self.cond:
-                    why = silent_for(self.peers[w], beats, now, self.peer_timeout, self.timeout)
+                    why = self.watch.judge(self.names[w], beats, now, self.peers[w].since)
                 if why is not None:
                     self._lose(w, why)
             joins = store.add(KEYS.joined, 0)

@@ -9,8 +9,8 @@ of a level that does not divide evenly) is not given an aggregator of its own: i
 a level unchanged, so no aggregator ever has a single child and the root sees at most
 ``fanout`` senders whatever P is. Aggregators are numbered bottom-up, left to right.
 
-Rudra-adv* also sends the weights down a tree of the workers themselves: ``weight_parent``
-is the heap-shaped ``fanout``-ary tree over worker ranks (worker 0 at its top).
+The tree carries gradients up. Weights come back down it in Rudra-adv (as the answers to
+the pushes); in Rudra-adv* each learner reads them straight from the root (``readers.py``).
 """
 from __future__ import annotations
 
@@ -101,13 +101,3 @@ class Tree:
         """Every node but the root: workers, then aggregators."""
         return [Node("worker", r) for r in range(self.workers)] + \
                [Node("aggregator", a) for a in range(self.aggregators)]
-
-    # --- the weight tree of Rudra-adv* ------------------------------------------------
-
-    def weight_parent(self, rank: int) -> int | None:
-        """The worker that ``rank`` fetches weights from (None: worker 0, which fetches from the servers)."""
-        return None if rank == 0 else (rank - 1) // self.fanout
-
-    def weight_children(self, rank: int) -> list[int]:
-        first = rank * self.fanout + 1
-        return list(range(first, min(first + self.fanout, self.workers)))

@@ -49,6 +49,7 @@ from plexus.cluster.rendezvous import store_get_json, store_set_json, wait_keys
 from plexus.config import JobConfig
 from plexus.errors import ConfigError
 from plexus.ps.client import Heartbeat, PSClient, Reply
+from plexus.ps.heartbeat import heartbeat_summary
 from plexus.ps.consistency import is_synchronous
 from plexus.ps.protocol import Op
 from plexus.ps.server import KEYS, ParameterServer
@@ -106,18 +107,13 @@ class DownpourStrategy(Strategy):
     def run_role(cls, role: str, rank: int, ctx: RoleContext) -> None:
         if role != "server":
             raise ConfigError(f"strategy ps has no role {role!r}")
-        s, workers = ctx.cfg.strategy, ctx.cfg.cluster.workers
-        if rank == 0 and ctx.cfg.optim.optimizer == "sgd" and ctx.cfg.optim.momentum > 0 \
-                and not is_synchronous(s.consistency, workers, s.staleness, s.softsync):
-            logger.warning("server 0: server momentum %g under %s with %d workers: asynchrony already acts as "
-                           "momentum (Mitliagkas et al. 2016), and the two together can stall or diverge; if "
-                           "training does not progress, pass --momentum 0, a lower --lr, or --staleness-lr",
-                           ctx.cfg.optim.momentum, s.consistency, workers)
+        # A risky server momentum under asynchrony is reported once at start (config.defaults.risks).
         if rank == 0:
             # What a worker that joins later needs: the job and where it writes.
             store_set_json(ctx.store, _JOB_KEY, {"config": ctx.cfg.to_dict(),
                                                  "run_dir": str(ctx.run_dir) if ctx.run_dir else None})
-        record = ParameterServer(ctx.store, rank, ctx.cfg, ctx.traffic, cls.root_children(ctx.cfg)).serve()
+        record = ParameterServer(ctx.store, rank, ctx.cfg, ctx.traffic, cls.root_children(ctx.cfg),
+                                 readers=cls.root_readers(ctx.cfg), log=ctx.log.log).serve()
         store_set_json(ctx.store, f"stats/server/{rank}", record)
         if rank == 0:
             servers = num_servers(ctx.cfg)
@@ -134,6 +130,12 @@ class DownpourStrategy(Strategy):
     def root_children(cls, cfg: JobConfig) -> list[str] | None:
         """The processes that talk to the servers (None: the workers)."""
         return None
+
+    @classmethod
+    def root_readers(cls, cfg: JobConfig) -> list[str]:
+        """Processes that only read the weights from the servers, on links of their own
+        (``ps/readers.py``); none here, where every worker pulls on its push link."""
+        return []
 
     @classmethod
     def summary_fields(cls, cfg: JobConfig, records: dict[str, Any]) -> dict[str, Any]:
@@ -170,6 +172,7 @@ class DownpourStrategy(Strategy):
                                           for w in workers},
             "protocol_errors": sum(rec["protocol_errors"] for rec in servers.values()),
             "bytes_received_by_servers": sum(rec["bytes_recv"] for rec in servers.values()),
+            **heartbeat_summary(records),
         }
         if records["worker"]:
             # The job lasts until its slowest worker is done, not until the evaluator is.
@@ -240,7 +243,8 @@ class DownpourStrategy(Strategy):
         if module is not None:
             module.sparse = True  # backward yields the rows the batch touched, not a [rows, width] tensor
         rows, width = (self.table.shape[0], self.table.shape[1]) if module is not None else (0, 0)
-        self.heartbeat = Heartbeat(ctx.store, self.rank, cfg.cluster.peer_timeout / 5)
+        self.heartbeat = Heartbeat(ctx.store, self.rank, cfg.cluster.peer_timeout / 5, limit=cfg.cluster.peer_timeout,
+                                   log=ctx.log.log if ctx.log is not None else None)
         self.client = PSClient(ctx.store, self.rank, num_servers(cfg), numel=numel, dtype=dtype, rows=rows,
                                width=width, traffic=ctx.traffic, timeout=cfg.cluster.timeout, net=cfg.cluster.net,
                                transport=cfg.cluster.transport,
@@ -429,7 +433,8 @@ class DownpourStrategy(Strategy):
         return self.model if evaluator == self.rank else None
 
     def final_record(self) -> dict[str, Any]:
-        return {"pushes": self.clock, "acks": list(self.client.acks), "init_versions": self.init_versions}
+        return {"pushes": self.clock, "acks": list(self.client.acks), "init_versions": self.init_versions,
+                "heartbeat": self.heartbeat.record()}
 
     def close(self) -> None:
         self.heartbeat.stop(self.cfg.cluster.timeout)

@@ -13,12 +13,14 @@ Variants (``--variant``):
   push-and-pull; aggregators sum their children's gradients and push the sum up
   (``ps/aggregator.py``); the root applies it and the new weights come back down the same
   path as the answers. The root hears from at most K senders.
-- ``adv-star``: gradients go up the aggregator tree as in ``adv`` but as plain pushes, on
-  a thread of the worker, while the weights come down a second tree formed by the workers
-  themselves (``Tree.weight_parent``: worker 0 pulls from its aggregator, every other
-  worker from a worker above it), fetched on another thread. A step swaps in the newest
-  weights it has and never waits for either tree, except that a worker pushes one
-  gradient at a time. A worker whose weight parent is gone pulls from its aggregator.
+- ``adv-star`` (Rudra-adv*): gradients go up the aggregator tree as in ``adv`` but as plain
+  pushes, on a thread of the worker, while each worker fetches the weights asynchronously
+  and straight from the servers, on a thread of its own that keeps one long-poll read
+  outstanding (``ps/readers.py``): a new version reaches every learner one hop after the
+  root applied it, instead of one level per step down a tree. A step swaps in the newest
+  weights it has and waits for neither, except that a worker pushes one gradient at a
+  time. The root's push fan-in stays at most K: the learners' fetches are reads, outside
+  the consistency gate; a learner's loss ends only its own read links.
 
 The protocol knobs, as the paper names them: sigma, n-softsync: the root applies an update
 once it holds ``--softsync N`` worker gradients (our N is the paper's c = lambda / n,
@@ -48,11 +50,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from plexus.cluster.group import Link
 from plexus.config import JobConfig
 from plexus.errors import CommError, ConfigError
 from plexus.ps.aggregator import Aggregator
-from plexus.ps.protocol import HEADER_LEN, Header, Op, decode, encode
+from plexus.ps.protocol import Op
+from plexus.ps.readers import WeightReader
 from plexus.ps.server import KEYS
 from plexus.ps.tree import ROOT, Node, Tree
 from plexus.strategies.base import Context, LossFn, RoleContext, StepStats
@@ -73,6 +75,13 @@ def group_size(cfg: JobConfig) -> int:
 
 def _tree(cfg: JobConfig) -> Tree:
     return Tree(cfg.cluster.workers, cfg.strategy.fanout)
+
+
+def _weight_hops(cfg: JobConfig, tree: Tree) -> int:
+    """The most links new weights cross from the root to a learner: the tree's height in
+    adv, where they come back down as the aggregators' answers; one in base and in adv*,
+    whose learners read the servers directly (Gupta et al. 2016)."""
+    return tree.height if cfg.strategy.variant == "adv" else 1
 
 
 class TreePSStrategy(DownpourStrategy):
@@ -122,6 +131,14 @@ class TreePSStrategy(DownpourStrategy):
         return [node.name for node in _tree(cfg).children(ROOT)]
 
     @classmethod
+    def root_readers(cls, cfg: JobConfig) -> list[str]:
+        """adv*'s learners read the weights straight from the servers (Gupta et al. 2016);
+        reads do not count in the root's fan-in, which only its children's pushes make."""
+        if cfg.strategy.variant != "adv-star":
+            return []
+        return [f"worker {w}" for w in range(cfg.cluster.workers)]
+
+    @classmethod
     def run_role(cls, role: str, rank: int, ctx: RoleContext) -> None:
         ctx = dataclasses.replace(ctx, cfg=cls.effective(ctx.cfg))
         if role != "aggregator":
@@ -129,7 +146,8 @@ class TreePSStrategy(DownpourStrategy):
             return
         from plexus.cluster.rendezvous import store_set_json
         record = Aggregator(ctx.store, rank, ctx.cfg, ctx.traffic, group_size(ctx.cfg),
-                            push_only=ctx.cfg.strategy.variant == "adv-star", emulator=ctx.emulator).serve()
+                            push_only=ctx.cfg.strategy.variant == "adv-star", emulator=ctx.emulator,
+                            log=ctx.log.log).serve()
         store_set_json(ctx.store, f"stats/aggregator/{rank}", record)
 
     @classmethod
@@ -177,6 +195,9 @@ class TreePSStrategy(DownpourStrategy):
             root_max_fan_in=max(fan_in, default=0),
             root_fan_in_counts={str(k): n for k, n in sorted(fan_in.items())},
             root_bytes_per_update=received / updates if updates else None,
+            weight_hops=_weight_hops(cfg, tree),
+            weight_reads_by_worker={str(w): int(servers[0]["reads"].get(f"worker {w}", 0)) if 0 in servers else 0
+                                    for w in range(workers)} if cfg.strategy.variant == "adv-star" else {},
             lost_workers=sorted(lost), lost_with=lost_with,
             protocol_errors=out["protocol_errors"] + sum(r["protocol_errors"] for r in aggregators.values()),
         )
@@ -188,7 +209,12 @@ class TreePSStrategy(DownpourStrategy):
         self.tree = _tree(ctx.cfg)
         self.variant = ctx.cfg.strategy.variant
         super().setup(model, loss_fn, dataclasses.replace(ctx, cfg=self.effective(ctx.cfg)))
-        self.star = _WeightTree(self) if self.variant == "adv-star" else None
+        try:
+            self.star = _AsyncLearner(self) if self.variant == "adv-star" else None
+        except BaseException:  # the runner calls close() only after a successful setup
+            self.client.close()
+            self.heartbeat.stop(ctx.cfg.cluster.timeout)
+            raise
         if self.star is not None:
             self.synchronous = False
 
@@ -225,7 +251,7 @@ class TreePSStrategy(DownpourStrategy):
     def final_record(self) -> dict[str, Any]:
         record = super().final_record()
         if self.star is not None:
-            record.update(weight_fetches=self.star.fetches, weight_fallback=self.star.fallback)
+            record.update(weight_reads=self.star.reads, weight_swaps=self.star.swaps)
         return record
 
     def close(self) -> None:
@@ -234,55 +260,45 @@ class TreePSStrategy(DownpourStrategy):
         super().close()
 
 
-class _WeightTree:
-    """Rudra-adv*'s worker side: a pusher thread sends gradients up the aggregator tree and a
-    fetcher thread brings weights down the workers' own tree (see the module docstring)."""
+class _AsyncLearner:
+    """Rudra-adv*'s learner (Gupta et al. 2016): a pusher thread sends gradients up the
+    aggregator tree as plain pushes, and a fetcher thread keeps one long-poll read of the
+    servers outstanding (``ps/readers.py``), so every new version reaches the learner one
+    hop after the root applied it, and a step swaps in the newest weights it has without
+    waiting for them. The only wait of a step is that one gradient at a time is in flight:
+    the previous one must have been acknowledged, so by the time the next is computed the
+    weights that hold it have usually arrived. The final model still comes down the tree
+    (the aggregators forward a PULL), after both threads have stopped."""
 
     def __init__(self, worker: TreePSStrategy) -> None:
         self.w = worker
-        self.rank, self.tree = worker.rank, worker.tree
         self.timeout = worker.cfg.cluster.timeout
-        self.lock = threading.Lock()            # the client's links: pusher, fetcher and final pull
+        self.lock = threading.Lock()            # the push client: pusher, then the final pull
         self.cond = threading.Condition()
         self.latest: tuple[torch.Tensor, list[int]] = (worker.flat.clone(), list(worker.client.versions))
-        self.version = sum(self.latest[1])      # of the weights in ``latest``
-        self.used = self.version                # of the weights the replica holds
+        self.used = sum(self.latest[1])         # version of the weights the replica holds
         self.held = list(self.latest[1])        # their shard versions
-        self.fetches, self.fallback = 0, False
+        self.reads = self.swaps = 0             # reads answered; steps that swapped in newer weights
         self.error: BaseException | None = None
-        self.want = threading.Event()
         self.stopping = threading.Event()
         self.outbox: queue.Queue[tuple[torch.Tensor, int, list[int]] | None] = queue.Queue(maxsize=1)
         self.pushed = threading.Semaphore(1)    # one gradient in flight
+        # The read links are opened here, from the training thread, after INIT has reached
+        # the root through the tree (so the servers know the layout): link set-up from
+        # several threads at once hung (ARCHITECTURE.md, section 8).
+        self.reader = WeightReader(worker.ctx.store, worker.rank, worker.client.servers, numel=worker.flat.numel(),
+                                   dtype=worker.flat.dtype, traffic=worker.ctx.traffic, timeout=self.timeout,
+                                   net=worker.cfg.cluster.net, transport=worker.cfg.cluster.transport)
+        try:
+            self.reader.connect()
+        except BaseException:
+            self.reader.close()
+            raise
         self.threads = [threading.Thread(target=self._guard, args=(self._push_loop,), name="pusher", daemon=True),
                         threading.Thread(target=self._guard, args=(self._fetch_loop,), name="fetcher",
                                          daemon=True)]
-        # The weight links are made here, in tree order (first the one to our parent, then
-        # those to our children), which cannot deadlock. Made from the fetcher and serving
-        # threads instead, they hung at start-up in some runs (observed with 4 workers).
-        self.link = self._link(self.tree.weight_parent(self.rank))
-        self.children: list[threading.Thread] = []
-        for child in self.tree.weight_children(self.rank):
-            link = self._link(child)
-            if link is not None:
-                self.children.append(threading.Thread(target=self._serve_child, args=(link,),
-                                                      name=f"weights -> worker {child}", daemon=True))
-        for thread in self.threads + self.children:
+        for thread in self.threads:
             thread.start()
-
-    def _link(self, peer: int | None) -> Link | None:
-        """The weight link to worker ``peer`` (None if there is none or it cannot be made)."""
-        if peer is None:
-            return None
-        try:
-            return Link(self.w.ctx.store, f"worker {self.rank}", f"worker {peer}", traffic=self.w.ctx.traffic,
-                        timeout=self.timeout, net=self.w.cfg.cluster.net, tag="weights",
-                        transport=self.w.cfg.cluster.transport)
-        except CommError as exc:
-            logger.warning("worker %d: no weight link to worker %d (%s)", self.rank, peer, exc)
-            if peer == self.tree.weight_parent(self.rank):
-                self.fallback = True
-            return None
 
     def _guard(self, loop) -> None:
         try:
@@ -291,7 +307,6 @@ class _WeightTree:
             if not self.stopping.is_set():
                 self.error = exc
                 self.stopping.set()
-                self.want.set()
 
     # --- the training thread ------------------------------------------------------------
 
@@ -299,27 +314,31 @@ class _WeightTree:
         w = self.w
         if self.error is not None:
             raise self.error
+        # One gradient in flight: wait until the previous one has reached the root before
+        # computing the next (the step's only wait). Computing it meanwhile, on weights that
+        # cannot hold the previous gradient yet, added a whole trip up the tree to the
+        # staleness of every gradient: 6.2 against adv's 2.7 at 4 workers, measured.
+        while not self.pushed.acquire(timeout=1.0):
+            if self.error is not None:
+                raise self.error
         with self.cond:
             flat, versions = self.latest
-            newer = sum(versions) > self.used
-        if newer:
+        if sum(versions) > self.used:  # the newest weights the fetcher brought, never waited for
             w.flat.copy_(flat)
             w._load()
             self.held, self.used = list(versions), sum(versions)
-        self.want.set()  # the fetcher brings the next weights while we compute
+            self.swaps += 1
         value = w._backward(x, y)
         if not math.isfinite(value):
+            self.pushed.release()  # nothing goes up
             return StepStats(loss=value)
-        while not self.pushed.acquire(timeout=1.0):  # the previous gradient has left (a step's only wait)
-            if self.error is not None:
-                raise self.error
         self.outbox.put((w.gflat.clone(), w.clock, self.held))
         w.clock += 1
         w.steps += 1
         return StepStats(loss=value)
 
     def stop(self, check: bool = True) -> None:
-        """Let the last gradient leave, then stop both threads and the weight serving;
+        """Let the last gradient leave, then stop both threads and close the read links;
         raise what failed in them when ``check``."""
         deadline = time.monotonic() + self.timeout
         while self.error is None and self.threads[0].is_alive() and time.monotonic() < deadline:
@@ -327,12 +346,11 @@ class _WeightTree:
                 self.pushed.release()
                 break
         self.stopping.set()
-        self.want.set()
         try:
             self.outbox.put(None, timeout=1.0)
         except queue.Full:  # the pusher is gone
             pass
-        for thread in self.threads + self.children:
+        for thread in self.threads:
             thread.join(timeout=self.timeout)
         if check and self.error is not None:
             raise self.error
@@ -349,71 +367,27 @@ class _WeightTree:
                 self.w.client.push(grad, clock, versions)
             self.pushed.release()
 
-    # --- weights down -----------------------------------------------------------------------
-
-    def _publish(self, flat: torch.Tensor, versions: list[int]) -> None:
-        with self.cond:
-            if sum(versions) > self.version:
-                self.latest, self.version = (flat, versions), sum(versions)
-                self.cond.notify_all()
-        self.fetches += 1
+    # --- weights straight from the servers ----------------------------------------------------
 
     def _fetch_loop(self) -> None:
-        parent, link = self.tree.weight_parent(self.rank), self.link
-        answer = torch.empty(HEADER_LEN, dtype=torch.int64)
-        versions = torch.empty(self.w.client.servers, dtype=torch.int64)
-        try:
-            while True:
-                self.want.wait()
-                self.want.clear()
-                if self.stopping.is_set():
-                    return
-                flat = torch.empty_like(self.w.flat)
-                if link is not None:
-                    try:
-                        link.send_to_peer(encode(Header(op=Op.PULL, sender=self.rank, shard=0,
-                                                        version=self.version)))
-                        link.recv_from_peer(answer)
-                        link.recv_from_peer(flat)
-                        link.recv_from_peer(versions)
-                        decode(answer, link.peer)
-                        self._publish(flat, versions.tolist())
-                        continue
-                    except CommError as exc:
-                        logger.warning("worker %d: weight parent worker %d is gone (%s); pulling from the tree",
-                                       self.rank, parent, exc)
-                        link.close()
-                        link, self.fallback = None, True
-                with self.lock:
-                    self.w.client.pull(flat, self.w.clock)
-                    got = list(self.w.client.versions)
-                self._publish(flat, got)
-        finally:
-            if link is not None:
-                try:
-                    link.send_to_peer(encode(Header(op=Op.SHUTDOWN, sender=self.rank, shard=0)), timeout=5.0)
-                except CommError:
-                    pass
-                link.close()
-
-    def _serve_child(self, link: Link) -> None:
-        """Answer a weight child's pulls with the newest weights we have, once they are newer
-        than what it has (or after a short wait, so that its thread stays responsive)."""
-        request = torch.empty(HEADER_LEN, dtype=torch.int64)
+        flat, clean = torch.empty_like(self.w.flat), False
         try:
             while not self.stopping.is_set():
-                link.recv_from_peer(request, timeout=2 * self.timeout)
-                h = decode(request, link.peer)
-                if h.op != Op.PULL:
-                    return
                 with self.cond:
-                    self.cond.wait_for(lambda: self.version > h.version or self.stopping.is_set(), timeout=0.5)
-                    flat, versions = self.latest
-                link.send_to_peer(encode(Header(op=Op.REPLY, sender=self.rank, shard=0, version=sum(versions),
-                                                count=flat.numel())))
-                link.send_to_peer(flat)
-                link.send_to_peer(torch.tensor(versions, dtype=torch.int64))
-        except CommError as exc:
-            logger.info("worker %d: weight child %s left (%s)", self.rank, link.peer, exc)
+                    held = list(self.latest[1])
+                self.reader.read(flat, held)  # answered once newer than ``held``, or after READ_WAIT
+                got = list(self.reader.versions)
+                self.reads += 1
+                if sum(got) > sum(held):
+                    with self.cond:
+                        self.latest = (flat, got)
+                    flat = torch.empty_like(flat)  # the step may still be copying the one just published
+            clean = True
         finally:
-            link.close()
+            try:
+                if clean:  # the servers still answer: say goodbye so that they close the links too
+                    self.reader.signal(Op.SHUTDOWN)
+            except CommError as exc:
+                logger.info("worker %d: read links closed before SHUTDOWN (%s)", self.w.rank, exc)
+            finally:
+                self.reader.close()
