@@ -52,6 +52,9 @@ class Context(ProcessContext):
     """What a worker's strategy may use."""
 
     _workers: Group | None = field(default=None, repr=False)
+    # The metrics log (``MetricsLog``: ``log.log(event, **fields)``), for events the
+    # strategy writes from its own threads (long heartbeat gaps); None writes nothing.
+    log: Any = None
 
     def worker_group(self) -> Group:
         """The job's fixed group of workers (made on first use, by every worker)."""
@@ -129,6 +132,14 @@ class Strategy(ABC):
     @classmethod
     def tolerates_loss(cls, cfg: JobConfig, role: str, rank: int) -> bool:
         """True when the job carries on without this process if it dies."""
+        return False
+
+    @classmethod
+    def shares_budget(cls, cfg: JobConfig) -> bool:
+        """True when the workers stop on one budget of ``steps x workers`` updates shared
+        by all of them (``train/budget.py``), so that fast workers make more updates and
+        every worker stops at about the same time, instead of ``steps`` updates each. Only
+        asynchronous strategies can: a synchronous step needs every worker."""
         return False
 
     @classmethod

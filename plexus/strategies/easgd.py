@@ -22,7 +22,10 @@ the data. A worker that dies breaks only its own link; the server and the others
 
 The global model evaluated on worker 0 is the centre variable as worker 0 last saw it
 (after its own exchange; at the end it fetches the latest one); worker 0's own replica
-is evaluated too. Each exchange costs a worker 2 x model bytes, every tau steps.
+is evaluated too. Each exchange costs a worker 2 x model bytes, every tau steps. At the
+end every worker leaves its final replica in the job's store, and worker 0 reports how
+far the replicas are from their mean (the consensus distance, as gossip and local-sgd
+do), waiting at most the job's timeout, and not for workers the server lost.
 """
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ from plexus.config import JobConfig
 from plexus.decentral.averaging import FlatParameters, elastic_difference
 from plexus.errors import CommError, ProtocolError
 from plexus.strategies.base import Context, LossFn, RoleContext, Strategy, StepStats, make_optimizer
-from plexus.strategies.replicas import replica_summary, store_agree
+from plexus.strategies.replicas import collect_replicas, final_consensus, leave_replica, replica_summary, store_agree
 
 __all__ = ["EasgdStrategy", "TAG_EASGD"]
 
@@ -89,7 +92,8 @@ class EasgdStrategy(Strategy):
         self.reply = torch.empty_like(flat)
         self.steps = 0
         self.exchanges = 0
-        self.last: dict[str, float] = {}
+        self.last: dict[str, Any] = {}
+        self.consensus: dict[str, Any] = {}
         self.link = Link(ctx.store, f"worker {self.rank}", _SERVER, traffic=ctx.traffic,
                          timeout=ctx.cfg.cluster.timeout, backend=ctx.backend, net=ctx.cfg.cluster.net, tag="easgd",
                          transport=ctx.cfg.cluster.transport)
@@ -132,8 +136,15 @@ class EasgdStrategy(Strategy):
 
     def prepare_snapshot(self, final: bool = False) -> dict[str, Any]:
         if final:
+            store = self.ctx.store
+            leave_replica(store, "easgd", self.rank, self.params.flat)
             if self.rank == 0:
-                # The latest centre, as the last exchange of every other worker left it.
+                # First the others' final replicas (so they have made their last exchanges),
+                # then the latest centre, as the last exchange of every worker left it.
+                replicas = collect_replicas(store, "easgd", self.params.flat, self.ctx.info.world_size,
+                                            self.ctx.cfg.cluster.timeout,
+                                            gone=lambda r: store.check([f"easgd/lost/{r}"]))
+                self.consensus = final_consensus(replicas)[1]
                 self.outbox.zero_()
                 self.outbox[0] = _OP_FETCH
                 self.link.send_to_peer(self.outbox, TAG_EASGD)
@@ -143,7 +154,8 @@ class EasgdStrategy(Strategy):
             self.link.send_to_peer(self.outbox, TAG_EASGD)
         if self.rank != 0:
             return {}
-        self.last = {"distance_to_centre": float((self.params.flat.double() - self.centre.double()).norm())}
+        self.last = {"distance_to_centre": float((self.params.flat.double() - self.centre.double()).norm()),
+                     **(self.consensus if final else {})}
         return dict(self.last)
 
     def agree(self, flag: bool) -> bool:
@@ -160,7 +172,10 @@ class EasgdStrategy(Strategy):
                 "elastic_alpha": cfg.strategy.elastic_alpha, "period": cfg.strategy.period,
                 "exchanges": server.get("exchanges"), "lost_by_server": server.get("lost"),
                 "wall_seconds": max((w["wall_seconds"] for w in workers.values()), default=0.0),
-                "distance_to_centre": workers.get(0, {}).get("distance_to_centre")}
+                "distance_to_centre": workers.get(0, {}).get("distance_to_centre"),
+                "consensus_distance": workers.get(0, {}).get("consensus_distance"),
+                "consensus_distance_relative": workers.get(0, {}).get("consensus_distance_relative"),
+                "replicas_averaged": workers.get(0, {}).get("replicas_averaged")}
 
     def close(self) -> None:
         self.link.close()
@@ -250,3 +265,5 @@ class _CentreServer:
         logger.warning("server 0: lost worker %d (%s); the centre carries on with the others", rank, exc)
         with self.lock:
             self.lost.append(rank)
+            # Worker 0 then stops waiting for the lost worker's final replica.
+            self.ctx.store.set(f"easgd/lost/{rank}", "1")

@@ -33,6 +33,14 @@ own (its listeners keep serving while it computes), and a killed worker breaks o
 own pair links (``cluster.Link``): its neighbours log it, drop it and go on. Each worker
 walks its own partition of the data, as the paper's workers do.
 
+AD-PSGD's workers stop together on one budget of updates (``train/budget.py``): with
+``--steps N`` and P workers the job makes N x P updates in all, each claimed from a counter
+in the store before it is made, as the paper counts its K iterations over all workers
+(Lian et al. 2018, Theorem 1). Fast workers make more, a lost worker's unspent share goes
+to the survivors, and no worker trains alone at the end: with N updates each, a slow
+worker would go on long after its neighbours had left, with nobody to average with, and
+its drifting replica would spoil the average of the final replicas.
+
 Measurement (``strategies/replicas.py``): the global model evaluated is the average of
 the replicas, computed at each snapshot over an uncounted probe group, and the consensus
 distance (1/P) sum_i ||x_i - x_bar|| is logged with it (``strategy`` events). AD-PSGD
@@ -50,18 +58,18 @@ import threading
 import time
 from typing import Any
 
-import numpy as np
 import torch
 
 from plexus.cluster.group import Link
 from plexus.collectives.base import comm_executor
 from plexus.config import JobConfig
-from plexus.decentral.averaging import FlatParameters, consensus_distance, mix
+from plexus.decentral.averaging import FlatParameters, mix
 from plexus.decentral.pairing import Pairing
 from plexus.decentral.topology import make_topology
 from plexus.errors import CommError, CommTimeout, ConfigError
 from plexus.strategies.base import Context, LossFn, Strategy, StepStats, make_optimizer
-from plexus.strategies.replicas import ReplicaProbe, replica_summary, store_agree
+from plexus.strategies.replicas import (ReplicaProbe, collect_replicas, final_consensus, leave_replica,
+                                        replica_summary, store_agree)
 
 __all__ = ["GossipStrategy", "TAG_GOSSIP"]
 
@@ -73,9 +81,6 @@ TAG_GOSSIP = 0x6A00
 _OP_AVERAGE = 1.0
 _OP_BYE = 2.0
 _STOP_KEY = "gossip/stop"
-# AD-PSGD's final replicas travel through the store (raw bytes, no pickle); above this
-# size they are not sent and the summary's averaged model is worker 0's own.
-_FINAL_LIMIT_BYTES = 64 << 20
 
 
 class GossipStrategy(Strategy):
@@ -97,6 +102,11 @@ class GossipStrategy(Strategy):
     def tolerates_loss(cls, cfg: JobConfig, role: str, rank: int) -> bool:
         # Worker 0 holds the model that is evaluated; the others may die under AD-PSGD.
         return cfg.strategy.async_gossip and role == "worker" and rank != 0
+
+    @classmethod
+    def shares_budget(cls, cfg: JobConfig) -> bool:
+        # AD-PSGD stops on N x P updates in all, so that its workers end together.
+        return cfg.strategy.async_gossip
 
     def setup(self, model: torch.nn.Module, loss_fn: LossFn, ctx: Context) -> None:
         s = ctx.cfg.strategy
@@ -305,37 +315,13 @@ class GossipStrategy(Strategy):
             store.set(f"gossip/lost/{peer}", "1")
         with self.lock:
             mine = self.params.flat.detach().cpu().clone()
-        # Raw bytes through the store (numpy has no bfloat16: such models skip the average).
-        small = self.params.nbytes <= _FINAL_LIMIT_BYTES and mine.dtype in (torch.float32, torch.float64,
-                                                                             torch.float16)
-        if small:
-            store.set(f"gossip/final/{self.rank}", mine.numpy().tobytes())
+        leave_replica(store, "gossip", self.rank, mine)
         if self.rank != 0:
             return {}
-        replicas = {0: mine}
-        pending = set(range(1, self.topology.size)) if small else set()
-        deadline = time.monotonic() + self.ctx.cfg.cluster.timeout
-        while pending and time.monotonic() < deadline:
-            for r in sorted(pending):
-                if store.check([f"gossip/final/{r}"]):
-                    raw = store.get(f"gossip/final/{r}")
-                    replicas[r] = torch.from_numpy(np.frombuffer(raw, dtype=mine.numpy().dtype).copy())
-                    pending.discard(r)
-                elif store.check([f"gossip/lost/{r}"]):
-                    pending.discard(r)
-            if pending:
-                time.sleep(0.05)
-        if pending:
-            logger.warning("worker 0: no final replica from worker(s) %s within %g s; averaging the others",
-                           ", ".join(map(str, sorted(pending))), self.ctx.cfg.cluster.timeout)
-        order = sorted(replicas)
-        mean = torch.stack([replicas[r].double() for r in order]).mean(0)
+        replicas = collect_replicas(store, "gossip", mine, self.topology.size, self.ctx.cfg.cluster.timeout,
+                                    gone=lambda r: store.check([f"gossip/lost/{r}"]))
+        mean, self.final = final_consensus(replicas)
         self.holder_flat.flat.copy_(mean)
-        distance = consensus_distance(replicas[r] for r in order)
-        norm = float(mean.norm())
-        self.final = {"consensus_distance": distance,
-                      "consensus_distance_relative": distance / norm if norm > 0 else 0.0,
-                      "replicas_averaged": order}
         return dict(self.final)
 
     # --- the interface --------------------------------------------------------------------
@@ -387,13 +373,18 @@ class GossipStrategy(Strategy):
             "consensus_distance_relative": first.get("consensus_distance_relative"),
         }
         if s.async_gossip:
-            # Each worker walks its own partition at its own pace: count every worker's steps.
+            # Each worker walks its own partition at its own pace: count every worker's steps
+            # (the budget of N x P updates, less what lost workers made or held).
             steps = sum(w["steps"] for w in workers.values())
             samples = steps * (cfg.run.batch_size // cfg.cluster.workers)
             wall = max((w["wall_seconds"] for w in workers.values()), default=0.0)
             out.update(steps=steps, samples=samples, updates_applied=steps, wall_seconds=wall,
                        wall_seconds_per_worker=[workers[r]["wall_seconds"] if r in workers else None
                                                 for r in range(cfg.cluster.workers)],
+                       steps_per_worker=[workers[r]["steps"] if r in workers else None
+                                         for r in range(cfg.cluster.workers)],
+                       update_budget=next((w["update_budget"] for w in workers.values()
+                                           if w.get("update_budget") is not None), None),
                        samples_per_second=samples / wall if wall else None,
                        pairwise_averagings=sum(w.get("averagings", 0) for w in workers.values()),
                        replicas_averaged=first.get("replicas_averaged"))
