@@ -92,7 +92,7 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(g, "weight-decay", type=float, help="L2 penalty (default 0)")
     _flag(g, "batch-size", type=int, help="global batch size (default 64)")
     _flag(g, "steps", type=int, help="training steps")
-    _flag(g, "epochs", type=float, help="training epochs (default 1 when nothing else bounds the run)")
+    _flag(g, "epochs", type=float, help="training epochs (default: one epoch or 300 steps, whichever is longer)")
     _flag(g, "time-limit", type=float, help="seconds of training")
     _flag(g, "target-accuracy", type=float, help="stop when a snapshot reaches this test accuracy (0..1)")
     _flag(g, "eval-every", type=int, help="snapshot and evaluate every N steps (default 50)")
@@ -105,6 +105,8 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(g, "quiet", action="store_const", const=True, help="no progress display")
     _flag(g, "debug", action="store_const", const=True, help="verbose logs and tracebacks")
     _flag(g, "config", help="TOML file with the same keys as the flags (flags win)")
+    _flag(g, "print-config", action="store_const", const=True,
+          help="print every effective value and its source (flag, file, default, default for ps/asp) and exit")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -155,16 +157,32 @@ def _load_toml(path: str) -> dict[str, Any]:
 
 
 def job_config(args: argparse.Namespace, extra: dict[str, Any] | None = None):
-    """Defaults < TOML file < flags < ``extra`` (a compare spec)."""
+    """Defaults < TOML file < flags < ``extra`` (a compare spec); each value keeps its
+    source (file, flag, spec) and the keys left unset take their strategy's defaults."""
     from plexus.config import JobConfig
     flat = vars(args).copy()
-    for key in ("command", "specs", "config"):
+    for key in ("command", "specs", "config", "print_config"):
         flat.pop(key, None)
     merged = _load_toml(args.config) if getattr(args, "config", None) else {}
     merged = {k.replace("-", "_"): v for k, v in merged.items()}
+    sources = {k: "file" for k in merged}
     merged.update(flat)
+    sources.update({k: "flag" for k in flat})
     merged.update(extra or {})
-    return JobConfig.from_flat(merged)
+    sources.update({k: "spec" for k in extra or {}})
+    return JobConfig.from_flat(merged, sources)
+
+
+def _print_config(cfg) -> None:
+    """``--print-config``: every effective value and its source, by component."""
+    import dataclasses
+    settings = cfg.settings()
+    width = max(map(len, settings))
+    for comp in ("strategy", "optim", "cluster", "data", "model", "run"):
+        print(f"[{comp}]")
+        for f in dataclasses.fields(getattr(cfg, comp)):
+            item = settings[f.name]
+            print(f"  {f.name:<{width}}  {json.dumps(item['value']):<24}  {item['source']}")
 
 
 class _Progress:
@@ -215,6 +233,9 @@ class _Progress:
 def _train(args: argparse.Namespace) -> int:
     from plexus.train.job import run_local, run_torchrun
     cfg = job_config(args)
+    if getattr(args, "print_config", False):
+        _print_config(cfg)
+        return 0
     if "RANK" in os.environ and "PLEXUS_ROLE" not in os.environ:
         summary = run_torchrun(cfg)
         if summary is not None:
@@ -239,9 +260,12 @@ def _print_summary(summary: dict[str, Any], run_dir: str, as_json: bool) -> None
     if ttt is not None:
         line += f"  target reached at {ttt:.1f} s"
     print(line)
-    if summary.get("diverging_workers"):
-        print(f"warning: training diverged on worker(s) {', '.join(map(str, summary['diverging_workers']))} "
-              f"(the loss rose to 10x its first value); see their warnings above", file=sys.stderr)
+    if summary.get("health", "ok") != "ok":
+        where = ""
+        if summary.get("diverging_workers"):
+            where = f" on worker(s) {', '.join(map(str, summary['diverging_workers']))}"
+        print(f"warning: training {summary['health']}{where} (detected at step {summary['health_step']}): "
+              f"{summary['health_hint']}", file=sys.stderr)
     print(f"run directory: {run_dir}")
     if as_json:
         print(json.dumps({**summary, "run_dir": run_dir}))
@@ -302,14 +326,16 @@ def _print_compare(rows) -> None:
     from rich.console import Console
     from rich.table import Table
     table = Table(title="plexus compare")
-    for col in ("spec", "test acc", "wall s", "samples/s", "time to target s", "MB sent/worker"):
-        table.add_column(col, justify="right" if col != "spec" else "left")
+    for col in ("spec", "test acc", "health", "wall s", "samples/s", "time to target s", "MB sent/worker"):
+        table.add_column(col, justify="right" if col not in ("spec", "health") else "left")
     for spec, _, s in rows:
         ttt = s.get("time_to_target_seconds")
         # Lost workers have no byte count (None): average over those that reported.
         per = [b for b in s["bytes_sent_per_worker"] if b is not None]
         acc = s.get("final_test_accuracy")
-        table.add_row(spec, "–" if acc is None else f"{100 * acc:.2f}%", f"{s['wall_seconds']:.2f}",
+        health = s.get("health", "ok")
+        table.add_row(spec, "–" if acc is None else f"{100 * acc:.2f}%",
+                      health if health == "ok" else f"[bold red]{health.upper()}[/]", f"{s['wall_seconds']:.2f}",
                       f"{s['samples_per_second']:,.0f}", "–" if ttt is None else f"{ttt:.2f}",
                       f"{sum(per) / max(len(per), 1) / 1e6:.2f}")
     Console().print(table)

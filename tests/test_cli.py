@@ -164,11 +164,13 @@ def test_a_diverging_run_says_so(tmp_path):
     result = plexus_cli("train", "--workers", "1", "--steps", "30", "--lr", "20", "--momentum", "0",
                         "--out", str(tmp_path), "--json")
     assert result.returncode == 0, result.stderr
-    assert "training is diverging; lower --lr" in result.stderr and "--momentum 0" not in result.stderr
-    assert "warning: training diverged on worker(s) 0" in result.stderr
-    assert json.loads(result.stdout.splitlines()[-1])["diverging_workers"] == [0]
-    (event,) = read_events(tmp_path, "diverging")
-    assert event["loss"] > 10 * event["first_loss"]
+    assert "training is diverging at step" in result.stderr and "lower --lr" in result.stderr
+    assert "--momentum 0" not in result.stderr
+    assert "warning: training diverging on worker(s) 0" in result.stderr
+    summary = json.loads(result.stdout.splitlines()[-1])
+    assert summary["diverging_workers"] == [0] and summary["health"] == "diverging"
+    (event,) = read_events(tmp_path, "health")
+    assert event["state"] == "diverging" and event["step"] == summary["health_step"]
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ _ALL = {
     "ddp": ("samples/s of the allreduce strategy against DistributedDataParallel", "plexus.bench.ddp"),
     "collectives": ("time and bandwidth of every all-reduce algorithm against native", "plexus.bench.collectives"),
     "ps": ("push-pull rate of the parameter server against torch.distributed.rpc", "plexus.bench.ps"),
+    "defaults": ("accuracy of every strategy with its own defaults against allreduce", "plexus.bench.defaults"),
 }
 
 # name -> (one-line summary, module)

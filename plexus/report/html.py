@@ -187,6 +187,7 @@ _COLUMNS: tuple[tuple[str, str, Callable[[Any], str]], ...] = (
     ("dataset", "dataset", str),
     ("model", "model", str),
     ("steps", "steps", str),
+    ("health", "health", str),
     ("final test accuracy", "final_test_accuracy", _percent),
     ("final test loss", "final_test_loss", _fmt(".4f")),
     ("wall time", "wall_seconds", _fmt(".1f", " s")),
@@ -203,6 +204,10 @@ _COLUMNS: tuple[tuple[str, str, Callable[[Any], str]], ...] = (
 def _cell(summary: dict[str, Any], key: str, fmt: Callable[[Any], str]) -> str:
     value = summary.get(key)
     text = MISSING if value is None else html.escape(fmt(value))
+    if key == "health" and value not in (None, "ok"):
+        # A run that does not learn is marked where the eye lands, with the hint on hover.
+        why = f"{value} at step {summary.get('health_step')}: {summary.get('health_hint') or ''}"
+        return f'<td class="unhealthy" title="{html.escape(why)}">{text}</td>'
     if key == "bytes_sent_total" and isinstance(summary.get("bytes_sent_per_worker"), list):
         per_worker = ", ".join(_bytes(v) if v is not None else MISSING for v in summary["bytes_sent_per_worker"])
         return f'<td title="{html.escape("per worker: " + per_worker)}">{text}</td>'
@@ -216,6 +221,7 @@ th, td { border: 1px solid #ccc; padding: 0.3em 0.6em; text-align: right; white-
 th { background: #f0f0f0; }
 td.label, td.dir { text-align: left; }
 td.dir { font-family: monospace; }
+td.unhealthy { background: #fdd; color: #900; font-weight: bold; }
 figure { display: inline-block; margin: 1em 1em 0 0; }
 figcaption { font-size: 0.9em; color: #555; }
 img { max-width: 100%; }

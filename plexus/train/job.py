@@ -48,6 +48,13 @@ def validate(cfg: JobConfig):
     return data
 
 
+def warn_risks(cfg: JobConfig) -> None:
+    """One line on stderr for each value the user set that is risky here (``config.defaults``)."""
+    from plexus.config.defaults import risks
+    for line in risks(cfg.to_flat(), cfg.sources):
+        logger.warning("plexus: warning: %s", line)
+
+
 def prepare_run_dir(cfg: JobConfig) -> Path:
     """Create the run directory (default ``runs/<time>-<strategy>``) and write config.json;
     results of an earlier run in the same directory are removed."""
@@ -74,6 +81,7 @@ def run_local(cfg: JobConfig, poll: Callable[[Path], None] | None = None, sink=N
     Raises ConfigError before anything starts, JobFailed if a process fails.
     """
     data = validate(cfg)
+    warn_risks(cfg)
     run_dir = prepare_run_dir(cfg)
     token = os.environ.get("PLEXUS_TOKEN") or new_token()
     store = host_store(cfg.cluster.host, cfg.cluster.port, token, cfg.cluster.timeout)
@@ -95,21 +103,44 @@ def run_local(cfg: JobConfig, poll: Callable[[Path], None] | None = None, sink=N
 
         # The job's own timeouts end it; this outer limit only catches what they cannot.
         limit = None if cfg.run.time_limit is None else cfg.run.time_limit + 10 * cfg.cluster.timeout
-        status = launch([sys.executable, "-m", "plexus.train.process"], roles, env=env,
+        from plexus.train import process
+        status = launch([sys.executable, "-m", "plexus.train.process"], roles, env=env, entry=process.main,
+                        threads=cfg.cluster.threads,
                         may_fail=lambda spec, code: cls.tolerates_loss(cfg, spec.role, spec.rank),
                         poll=(lambda: poll(run_dir)) if poll else None, sink=sink, time_limit=limit,
                         on_exit=on_exit)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
+    failed = None
     if status != 0:
-        raise JobFailed(f"the job failed (status {status}); see the messages above", exit_code=status)
-    if len(lost.get("worker", [])) == cfg.cluster.workers:
-        raise JobFailed(f"every worker was lost ({cfg.cluster.workers} of {cfg.cluster.workers}); "
-                        f"nothing is left to finish the job", exit_code=1)
+        failed = JobFailed(f"the job failed (status {status}); see the messages above", exit_code=status)
+    elif len(lost.get("worker", [])) == cfg.cluster.workers:
+        failed = JobFailed(f"every worker was lost ({cfg.cluster.workers} of {cfg.cluster.workers}); "
+                           f"nothing is left to finish the job", exit_code=1)
+    if failed is not None:
+        _summarise_failure(cfg, run_dir, _job_store(store, token), lost)
+        raise failed
     summary = assemble_summary(cfg, collect_records(cfg, _job_store(store, token), lost), lost)
+    summary["status"] = "completed"
     write_summary(run_dir, summary)
     _write_report(run_dir)
     return run_dir, summary
+
+
+def _summarise_failure(cfg: JobConfig, run_dir: Path, store, lost: dict[str, list[int]]) -> None:
+    """summary.json of a failed job, marked ``failed``, from the records that reached the
+    store; and its health hint, which often says why it failed. Best effort: it must never
+    hide the failure itself."""
+    try:
+        summary = assemble_summary(cfg, collect_records(cfg, store, lost), lost)
+    except Exception as exc:  # noqa: BLE001 - records of a failed job may be partial
+        logger.debug("plexus: no summary of the failed job: %s", exc)
+        return
+    summary["status"] = "failed"
+    write_summary(run_dir, summary)
+    if summary.get("health", "ok") != "ok":
+        logger.warning("plexus: training %s (detected at step %s): %s", summary["health"], summary["health_step"],
+                       summary["health_hint"])
 
 
 def _roles(cfg: JobConfig) -> list[RoleSpec]:
@@ -155,6 +186,8 @@ def run_torchrun(cfg: JobConfig) -> dict[str, Any] | None:
         raise ConfigError(f"strategy {cfg.strategy.strategy} needs roles besides workers; under torchrun "
                           f"only workers start: use the local launcher (plexus train) on one machine")
     store = connect_store(info, cfg.cluster.timeout)
+    if info.rank == 0:
+        warn_risks(cfg)
     run_dir = prepare_run_dir(cfg) if info.rank == 0 else None
     worker_main(cfg, info, store, run_dir)
     if info.rank != 0:

@@ -38,7 +38,7 @@ SUMMARY_KEYS = (
     "strategy", "algorithm", "workers", "servers", "dataset", "model", "steps", "samples",
     "final_test_accuracy", "final_test_loss", "wall_seconds", "samples_per_second",
     "time_to_target_seconds", "bytes_sent_total", "bytes_sent_per_worker", "updates_applied",
-    "staleness_mean", "staleness_max", "lost_workers",
+    "staleness_mean", "staleness_max", "lost_workers", "health", "health_step", "health_hint", "settings",
 )
 
 

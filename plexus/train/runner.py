@@ -19,10 +19,13 @@ from plexus.cluster.emulation import Emulator
 from plexus.cluster.rendezvous import ProcessInfo, store_barrier, store_set_json, wait_keys
 from plexus.cluster.traffic import Traffic
 from plexus.config import JobConfig
+from plexus.config.defaults import is_asynchronous
 from plexus.errors import PlexusError
 from plexus.strategies import Context, RoleContext, create_strategy, strategy_class
 from plexus.train.batches import GlobalBatches, PartitionBatches
+from plexus.train.budget import UpdateBudget
 from plexus.train.data import Dataset, load_dataset
+from plexus.train.health import Health, hint
 from plexus.train.evaluation import Evaluation, SnapshotEvaluator, evaluate, loss_fn
 from plexus.train.metrics import MetricsLog
 from plexus.train.models import build_model
@@ -74,14 +77,21 @@ def resolve_device(cfg: JobConfig, local_rank: int) -> tuple[torch.device, str]:
     return device, backend
 
 
+# Steps of a run given no length: one epoch of a small dataset (digits: 22 steps of 64) is
+# too short to learn anything, or for a --kill at step 30 to fire.
+DEFAULT_MIN_STEPS = 300
+
+
 def total_steps(cfg: JobConfig, steps_per_epoch: int) -> int:
-    """Steps the run may take: --steps, else --epochs (one epoch when neither is given)."""
+    """Steps the run may take: --steps, else --epochs; when neither (nor --time-limit) is
+    given, one epoch or DEFAULT_MIN_STEPS, whichever is longer."""
     if cfg.run.steps is not None:
         return cfg.run.steps
-    epochs = cfg.run.epochs if cfg.run.epochs is not None else (None if cfg.run.time_limit else 1.0)
-    if epochs is None:
+    if cfg.run.epochs is not None:
+        return max(1, math.ceil(cfg.run.epochs * steps_per_epoch))
+    if cfg.run.time_limit is not None:
         return 2**62  # bounded by --time-limit alone
-    return max(1, math.ceil(epochs * steps_per_epoch))
+    return max(steps_per_epoch, DEFAULT_MIN_STEPS)
 
 
 def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
@@ -97,8 +107,9 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
     traffic = Traffic()
     emulator = Emulator(cfg.cluster, "worker", info.rank)
     strategy = create_strategy(cfg.strategy.strategy)
+    log = MetricsLog(run_dir)
     ctx = Context(info=info, store=store, cfg=cfg, traffic=traffic, emulator=emulator, device=device,
-                  backend=backend)
+                  backend=backend, log=log)
     strategy.setup(model, loss_fn, ctx)
     workers, rank = info.world_size, info.rank
     share = cfg.run.batch_size // workers
@@ -107,7 +118,6 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
     else:
         batches = PartitionBatches(len(data.x_train), share, cfg.run.seed, rank, workers)
     limit = total_steps(cfg, batches.steps_per_epoch)
-    log = MetricsLog(run_dir)
 
     # The training clock starts when every worker is ready; worker 0's start is everyone's.
     store_barrier(store, "train/ready", workers, cfg.cluster.timeout)
@@ -137,8 +147,14 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
     # Asynchronous workers count the samples of the whole job together in the store (at
     # every log step), so that worker 0's evaluations say how much the job has seen.
     shared_samples, reported = not strategy.synchronous and workers > 1, 0
-    first_loss, warned = None, False
+    health = Health(total_steps=limit, classes=data.num_classes if data.task == "classification" else None)
     try:
+        # Asynchronous strategies may stop on one budget of updates shared by the workers
+        # (train/budget.py; Lian et al. 2018): each update is claimed before it is made, and
+        # a worker's last step is the one after which no claim is left.
+        budget = UpdateBudget.open(store, limit, workers) if strategy.shares_budget(cfg) else None
+        if budget is not None:
+            limit = budget.total if budget.take() else 0
         for step in range(limit):
             emulator.at_step(step)
             idx = batches.worker_indices(step, rank, workers) if strategy.synchronous else batches.indices(step)
@@ -146,19 +162,32 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
             stats = strategy.step(x, y)
             loss = stats.loss
             steps_done = step + 1
+            if budget is not None and not budget.take():
+                limit = steps_done  # the shared budget is spent: this step is this worker's last
             if not math.isfinite(loss):
-                raise NonFiniteLoss(f"worker {rank}: the training loss became {loss} at step {step}: "
-                                    f"the learning rate ({cfg.optim.lr:g}) is probably too high; lower --lr")
-            if first_loss is None:
-                first_loss = loss
-            elif not warned and loss > _DIVERGED * max(first_loss, 0.1):
-                # Async training diverges without NaNs; say so while it happens, not after.
-                warned = True
-                hints = ["lower --lr"] + (["pass --momentum 0"] if cfg.optim.momentum > 0 else []) + \
-                    (["pass --staleness-lr"] if not strategy.synchronous else [])
-                logger.warning("worker %d: the training loss rose from %.4g to %.4g by step %d: training is "
-                               "diverging; %s", rank, first_loss, loss, steps_done, ", or ".join(hints))
-                log.log("diverging", time=clock(), worker=rank, step=steps_done, loss=loss, first_loss=first_loss)
+                # The end of training on this worker; it still leaves a record saying so,
+                # so the summary written after the job fails has its health and step.
+                health.diverged(steps_done)
+                why = hint("diverging", cfg.settings(), is_asynchronous(cfg.to_flat()))
+                log.log("health", time=clock(), worker=rank, step=steps_done, state="diverging", loss=loss, hint=why)
+                store_set_json(store, f"stats/worker/{rank}", {
+                    "steps": steps_done, "wall_seconds": clock(), "bytes_sent": traffic.bytes_sent,
+                    "bytes_recv": traffic.bytes_recv, "traffic": traffic.snapshot(), "loss": None,
+                    "slept": emulator.slept, "diverging": True, "health": "diverging", "health_step": steps_done,
+                    "non_finite_loss": True})
+                raise NonFiniteLoss(f"worker {rank}: the training loss became {loss} at step {step}: {why}")
+            changed = health.observe(steps_done, loss)
+            if changed is not None:
+                # Async training diverges without NaNs, or stalls at chance; say so while it
+                # happens, not after.
+                why = None if changed == "ok" else hint(changed, cfg.settings(), is_asynchronous(cfg.to_flat()))
+                if why is None:
+                    logger.warning("worker %d: training is learning again at step %d (loss %.4g)", rank, steps_done,
+                                   loss)
+                else:
+                    logger.warning("worker %d: training is %s at step %d (loss %.4g): %s", rank, changed,
+                                   steps_done, loss, why)
+                log.log("health", time=clock(), worker=rank, step=steps_done, state=changed, loss=loss, hint=why)
             samples = steps_done * samples_per_step
             if shared_samples and (steps_done % cfg.run.log_every == 0 or steps_done == limit):
                 store.add(_SAMPLES_KEY, samples - reported)
@@ -185,6 +214,8 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
                 reached = evaluator is not None and evaluator.reached.is_set()
                 if strategy.agree(over or reached):
                     break
+            if budget is not None and budget.spent:
+                break
         wall = clock()
         fields = strategy.prepare_snapshot(final=True)
         if fields:
@@ -215,11 +246,14 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
                 "final_test_accuracy": final_acc, "final_test_loss": final_loss, "steps": steps_done,
                 "wall_seconds": wall, "time_to_target": evaluator.time_to_target,
                 "evaluations": len(evaluator.results), "skipped": evaluator.skipped,
-                "replica_test_accuracy": replica_acc, "replica_test_loss": replica_loss})
+                "replica_test_accuracy": replica_acc, "replica_test_loss": replica_loss,
+                "chance_accuracy": 1 / data.num_classes if data.task == "classification" else None})
         store_set_json(store, f"stats/worker/{rank}", {
             "steps": steps_done, "wall_seconds": wall, "bytes_sent": traffic.bytes_sent,
             "bytes_recv": traffic.bytes_recv, "traffic": traffic.snapshot(), "loss": loss,
-            "slept": emulator.slept, "diverging": warned, **strategy.final_record()})
+            "slept": emulator.slept, "diverging": health.state == "diverging",
+            "health": health.state, "health_step": health.step,
+            "update_budget": budget.total if budget is not None else None, **strategy.final_record()})
         if strategy.synchronous and not strategy.tolerates_loss(cfg, "worker", rank):
             # Nobody may tear down the group while others still use it (a strategy that
             # outlives lost workers has no such group, and its survivors cannot wait for all).
@@ -231,8 +265,6 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
 
 
 _SAMPLES_KEY = "train/samples"
-# A training loss this many times its first value means the run is diverging.
-_DIVERGED = 10.0
 
 
 def _target_recorder(store, cfg: JobConfig):

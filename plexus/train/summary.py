@@ -12,7 +12,9 @@ from typing import Any
 
 from plexus.cluster.rendezvous import store_get_json, wait_keys
 from plexus.config import JobConfig
+from plexus.config.defaults import is_asynchronous
 from plexus.strategies import strategy_class
+from plexus.train.health import CHANCE_MARGIN, hint, worst
 
 __all__ = ["collect_records", "assemble_summary", "write_summary"]
 
@@ -34,6 +36,9 @@ def collect_records(cfg: JobConfig, store, lost: dict[str, list[int]] | None = N
         keys = {r: f"stats/{role}/{r}" for r in range(count) if r not in lost.get(role, [])}
         if wait is not None:
             wait_keys(store, list(keys.values()), wait, f"the final records of every {role}")
+        # A lost process may have left a record before it ended (a worker whose loss became
+        # non-finite says so); a killed one has none.
+        keys.update({r: f"stats/{role}/{r}" for r in lost.get(role, []) if r < count})
         records[role] = {r: store_get_json(store, k) for r, k in keys.items() if _present(store, k)}
     records["eval"] = store_get_json(store, "stats/eval") if _present(store, "stats/eval") else {}
     records["target"] = store_get_json(store, "stats/target") if _present(store, "stats/target") else {}
@@ -88,7 +93,22 @@ def assemble_summary(cfg: JobConfig, records: dict[str, Any], lost: dict[str, li
                                    for r in range(cfg.cluster.workers)],
     }
     summary.update(cls.summary_fields(cfg, records))
+    summary.update(_health(cfg, workers, ev, summary))
+    summary["settings"] = cfg.settings()
     return summary
+
+
+def _health(cfg: JobConfig, workers: dict[int, Any], ev: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
+    """``health`` (ok, stalled, diverging), the step it was detected at, and a hint: the
+    worst of the workers' own verdicts (train/health.py), or stalled when the final test
+    accuracy is no better than chance."""
+    state, step = worst([(w.get("health", "ok"), w.get("health_step")) for w in workers.values()])
+    chance, acc = ev.get("chance_accuracy"), ev.get("final_test_accuracy")
+    if state == "ok" and chance is not None and acc is not None and acc <= chance + CHANCE_MARGIN:
+        state, step = "stalled", summary["steps"]
+    why = None if state == "ok" else hint(state, cfg.settings(), is_asynchronous(cfg.to_flat()),
+                                          summary.get("staleness_mean"))
+    return {"health": state, "health_step": step, "health_hint": why}
 
 
 def write_summary(run_dir, summary: dict[str, Any]) -> None:

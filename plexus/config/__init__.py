@@ -3,7 +3,8 @@
 The CLI and TOML files are thin layers over these classes. Every field name is unique
 across components, so a flat mapping (``--batch-size 64`` on the command line,
 ``batch_size = 64`` in TOML) places each key in exactly one component; see
-``JobConfig.from_flat``.
+``JobConfig.from_flat``. Keys the user leaves unset take the defaults of their strategy
+and consistency model (``defaults.py``), and every value records where it came from.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ __all__ = [
     "parse_slow",
     "parse_kill",
     "parse_net",
+    "field_default",
 ]
 
 
@@ -316,7 +318,7 @@ class RunConfig:
     # evenly over the workers (contract 1).
     batch_size: int = 64
     # Training length: steps, epochs or seconds; the first reached ends the run. When
-    # none is given the run lasts one epoch.
+    # none is given the run lasts one epoch or 300 steps, whichever is longer.
     steps: int | None = None
     epochs: float | None = None
     time_limit: float | None = None
@@ -348,6 +350,14 @@ class RunConfig:
 
 _COMPONENTS = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig, "cluster": ClusterConfig,
                "strategy": StrategyConfig, "run": RunConfig}
+_OWNER = {f.name: comp for comp, klass in _COMPONENTS.items() for f in dataclasses.fields(klass)}
+_FIELDS = {f.name: f for klass in _COMPONENTS.values() for f in dataclasses.fields(klass)}
+
+
+def field_default(key: str) -> Any:
+    """The dataclass default of flat key ``key`` (before any per-strategy default)."""
+    f = _FIELDS[key]
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -360,6 +370,9 @@ class JobConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    # Where each flat key's value came from (see defaults.py); keys absent here are the
+    # dataclass defaults.
+    sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         # Contract 1: each worker takes an equal contiguous slice of the global batch.
@@ -368,36 +381,58 @@ class JobConfig:
                  "each worker takes an equal slice of the global batch; pick a multiple of --workers")
 
     @classmethod
-    def from_flat(cls, flat: dict[str, Any]) -> "JobConfig":
+    def from_flat(cls, flat: dict[str, Any], sources: dict[str, str] | None = None) -> "JobConfig":
         """Build from flat keys (``batch_size``, ``workers``...), the CLI's and TOML's form.
 
-        ``slow``, ``kill`` and ``net`` may be given as their flag strings.
+        ``sources`` names where each given key came from (``flag``, ``file``, ``spec``;
+        ``api`` where not named). Keys not given take their strategy's defaults
+        (``defaults.resolve``). ``slow``, ``kill`` and ``net`` may be given as their flag
+        strings.
         """
-        parts: dict[str, dict[str, Any]] = {name: {} for name in _COMPONENTS}
-        owner = {f.name: comp for comp, klass in _COMPONENTS.items() for f in dataclasses.fields(klass)}
+        from plexus.config.defaults import resolve
+        given: dict[str, Any] = {}
         for key, value in flat.items():
             key = key.replace("-", "_")
-            if key not in owner:
+            if key not in _OWNER:
                 raise ConfigError(f"unknown configuration key {key!r}: known keys are "
-                                  f"{', '.join(sorted(owner))}")
+                                  f"{', '.join(sorted(_OWNER))}")
+            given[key] = value
+        origin = {k.replace("-", "_"): v for k, v in (sources or {}).items()}
+        origin = {key: origin.get(key, "api") for key in given}
+        _check_types(given, origin)
+        defaults, default_sources = resolve(given)
+        parts: dict[str, dict[str, Any]] = {name: {} for name in _COMPONENTS}
+        for key, value in {**defaults, **given}.items():
             if key == "slow" and isinstance(value, str):
                 value = parse_slow(value)
             elif key == "kill" and isinstance(value, str):
                 value = parse_kill(value)
             elif key == "net" and isinstance(value, str):
                 value = parse_net(value)
-            parts[owner[key]][key] = value
+            parts[_OWNER[key]][key] = value
         try:
             built = {comp: _COMPONENTS[comp](**kw) for comp, kw in parts.items()}
         except TypeError as exc:  # a value of the wrong type reached a check
             raise ConfigError(f"invalid configuration value: {exc}") from None
-        return cls(**built)
+        return cls(**built, sources={**default_sources, **origin})
 
     def replace(self, **flat: Any) -> "JobConfig":
-        """A copy with some flat keys changed."""
-        merged = self.to_flat()
-        merged.update(flat)
-        return JobConfig.from_flat(merged)
+        """A copy with some flat keys changed (as ``api`` values); keys that took a
+        strategy default are resolved again, so changing the strategy changes them."""
+        from plexus.config.defaults import USER_SOURCES
+        current = self.to_flat()
+        chosen = {k: current[k] for k, src in self.sources.items() if src in USER_SOURCES}
+        return JobConfig.from_flat({**chosen, **flat}, {**{k: self.sources[k] for k in chosen},
+                                                         **{k: "api" for k in flat}})
+
+    def source(self, key: str) -> str:
+        """Where the value of flat key ``key`` came from."""
+        return self.sources.get(key, "default")
+
+    def settings(self) -> dict[str, dict[str, Any]]:
+        """Every effective value with its source, as plain data: {key: {value, source}}."""
+        nested = self.to_dict()
+        return {key: {"value": nested[_OWNER[key]][key], "source": self.source(key)} for key in _OWNER}
 
     def to_flat(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -408,7 +443,7 @@ class JobConfig:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        """Nested plain data, as written to config.json."""
+        """Nested plain data, as written to config.json (with ``sources``)."""
         return dataclasses.asdict(self)
 
     @classmethod
@@ -420,4 +455,37 @@ class JobConfig:
         cluster["net"] = NetSpec(**cluster.get("net", {}))
         return cls(data=DataConfig(**data["data"]), model=ModelConfig(**data["model"]),
                    optim=OptimConfig(**data["optim"]), cluster=ClusterConfig(**cluster),
-                   strategy=StrategyConfig(**data["strategy"]), run=RunConfig(**data["run"]))
+                   strategy=StrategyConfig(**data["strategy"]), run=RunConfig(**data["run"]),
+                   sources=dict(data.get("sources", {})))
+
+
+def _type_name(kind: Any) -> str:
+    return " or ".join(sorted({t.__name__ for t in kind})) if isinstance(kind, tuple) else kind.__name__
+
+
+def _check_types(given: dict[str, Any], origin: dict[str, str]) -> None:
+    """A value of the wrong type (``workers = "two"`` in TOML) named with its key, its
+    source and the type it needs, before any check compares it."""
+    import typing
+    hints = {}
+    for klass in _COMPONENTS.values():
+        hints.update(typing.get_type_hints(klass))
+    for key, value in given.items():
+        hint = hints[key]
+        if key in ("slow", "kill", "net") or value is None:
+            continue
+        args = typing.get_args(hint)
+        if typing.get_origin(hint) is Literal:
+            kinds: Any = tuple({type(a) for a in args})
+        elif args:  # X | None
+            kinds = tuple(a for a in args if a is not type(None))
+        else:
+            kinds = hint
+        kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+        if float in kinds:
+            kinds = (*kinds, int)
+        ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
+        if not ok:
+            raise ConfigError(f"{key} must be {_type_name(kinds)}, got {value!r} ({type(value).__name__}, "
+                              f"from {origin.get(key, 'api')}): write e.g. {key} = "
+                              f"{field_default(key)!r}")

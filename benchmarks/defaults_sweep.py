@@ -1,0 +1,102 @@
+"""The sweep behind the per-strategy defaults (``plexus/config/defaults.py``).
+
+Every asynchronous configuration (ps under asp, ssp and softsync; tree-ps under each
+variant and consistency it accepts) trains with each candidate optimizer setting, four
+workers, the same steps and seed, on digits and on mnist1d; allreduce with the
+synchronous defaults is the reference measured in the same run. The table gives the
+final test accuracy and its ratio to the reference.
+
+    python benchmarks/defaults_sweep.py                      # the whole sweep
+    python benchmarks/defaults_sweep.py --datasets digits --seeds 0 1
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("MPLCONFIGDIR", os.path.join(tempfile.gettempdir(), "plexus-mpl"))
+
+from plexus.config import JobConfig  # noqa: E402
+from plexus.train.job import run_local  # noqa: E402
+
+# The configurations whose defaults are in question: the flags that select each one.
+TARGETS: dict[str, dict] = {
+    "allreduce": {"strategy": "allreduce", "algorithm": "ring"},
+    "ps asp": {"strategy": "ps", "consistency": "asp"},
+    "ps ssp 2": {"strategy": "ps", "consistency": "ssp", "staleness": 2},
+    "ps softsync 2": {"strategy": "ps", "consistency": "softsync", "softsync": 2},
+    "tree-ps adv": {"strategy": "tree-ps", "variant": "adv"},
+    "tree-ps adv-star": {"strategy": "tree-ps", "variant": "adv-star"},
+    "tree-ps base": {"strategy": "tree-ps", "variant": "base"},
+}
+
+# Candidate optimizer settings: (label, flat keys).
+CANDIDATES: dict[str, dict] = {
+    "sgd lr .1 m .9 (sync)": {"optimizer": "sgd", "lr": 0.1, "momentum": 0.9},
+    "sgd lr .1 m 0": {"optimizer": "sgd", "lr": 0.1, "momentum": 0.0},
+    "sgd lr .2 m 0": {"optimizer": "sgd", "lr": 0.2, "momentum": 0.0},
+    "sgd lr .4 m 0 /stale": {"optimizer": "sgd", "lr": 0.4, "momentum": 0.0, "staleness_lr": True},
+    "sgd lr .1 m .5": {"optimizer": "sgd", "lr": 0.1, "momentum": 0.5},
+    "adagrad lr .05": {"optimizer": "adagrad", "lr": 0.05, "momentum": 0.0},
+    "adagrad lr .1": {"optimizer": "adagrad", "lr": 0.1, "momentum": 0.0},
+    "adagrad lr .02": {"optimizer": "adagrad", "lr": 0.02, "momentum": 0.0},
+    "adam lr .001": {"optimizer": "adam", "lr": 0.001},
+    "adam lr .003": {"optimizer": "adam", "lr": 0.003},
+    "adam lr .01": {"optimizer": "adam", "lr": 0.01},
+}
+
+REFERENCE = {"strategy": "allreduce", "algorithm": "ring", "optimizer": "sgd", "lr": 0.1, "momentum": 0.9}
+
+
+def train(flat: dict, out: str) -> tuple[float, float]:
+    """(final test accuracy, wall seconds) of one run."""
+    cfg = JobConfig.from_flat({**flat, "out": out, "quiet": True})
+    started = time.monotonic()
+    _, summary = run_local(cfg, sink=io.StringIO())
+    return summary["final_test_accuracy"] or 0.0, time.monotonic() - started
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--datasets", nargs="+", default=["digits", "mnist1d"])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--targets", nargs="+", default=[t for t in TARGETS if t != "allreduce"],
+                        choices=list(TARGETS))
+    parser.add_argument("--candidates", nargs="+", default=list(CANDIDATES), choices=list(CANDIDATES))
+    args = parser.parse_args(argv)
+    root = tempfile.mkdtemp(prefix="plexus-sweep-")
+    print(f"# defaults sweep, {time.strftime('%Y-%m-%d')}, workers {args.workers}, steps {args.steps}, "
+          f"seeds {args.seeds}\n")
+    print("| dataset | configuration | optimizer setting | accuracy (mean over seeds) | / allreduce |")
+    print("|---|---|---|---:|---:|")
+    n = 0
+    for dataset in args.datasets:
+        common = {"dataset": dataset, "model": "mlp", "workers": args.workers, "steps": args.steps}
+        ref = [train({**common, **REFERENCE, "seed": s}, f"{root}/{n}-{s}")[0] for s in args.seeds]
+        n += 1
+        ref_acc = sum(ref) / len(ref)
+        print(f"| {dataset} | allreduce ring | sgd lr .1 m .9 (sync) | {100 * ref_acc:.1f} % | 1.00 |", flush=True)
+        for target in args.targets:
+            for label in args.candidates:
+                accs = []
+                for s in args.seeds:
+                    flat = {**common, **TARGETS[target], **CANDIDATES[label], "seed": s}
+                    try:
+                        accs.append(train(flat, f"{root}/{n}-{s}")[0])
+                    except Exception as exc:  # a failed run is a row, not the end of the sweep
+                        print(f"<!-- {target} / {label}: {exc} -->", file=sys.stderr)
+                        accs.append(0.0)
+                n += 1
+                acc = sum(accs) / len(accs)
+                print(f"| {dataset} | {target} | {label} | {100 * acc:.1f} % | {acc / ref_acc:.2f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""Effective defaults: the value of every option the user did not set, chosen from the
+strategy and its consistency model, with the source of each value.
+
+One global default cannot serve every strategy. Heavy-ball momentum 0.9 is right for
+synchronous SGD, but a parameter server that applies stale gradients with it sits at
+chance: asynchrony already acts as momentum (Mitliagkas et al. 2016, "Asynchrony begets
+momentum"), about 1 - 1/P of it with P workers, and the two together overshoot. So the
+table below gives asynchronous configurations their own values. The values come from a
+sweep over digits and mnist1d (``benchmarks/defaults_sweep.py``; README, "Defaults").
+
+Rules:
+- a value the user set (flag, TOML file, compare spec, Python dict) is never overridden;
+  where it is risky for the configuration, ``risks`` says why in one line;
+- the first rule of ``TABLE`` that matches a configuration and names a key decides it;
+  keys no rule names keep the dataclass default (source ``default``);
+- every effective value carries its source: ``flag``, ``file``, ``spec``, ``api``,
+  ``default`` or ``default for <rule>`` (``JobConfig.sources``, config.json, summary.json,
+  ``plexus train --print-config``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+__all__ = ["Rule", "TABLE", "USER_SOURCES", "is_asynchronous", "resolve", "risks"]
+
+# Sources that mean the user chose the value.
+USER_SOURCES = ("flag", "file", "spec", "api")
+
+
+def _get(flat: Mapping[str, Any], key: str) -> Any:
+    from plexus.config import field_default
+    return flat[key] if key in flat else field_default(key)
+
+
+def is_asynchronous(flat: Mapping[str, Any]) -> bool:
+    """Whether a ps or tree-ps configuration applies gradients computed on older weights
+    than the ones they update: asp and ssp, n-softsync with fewer pushes per update than
+    workers (Gupta et al. 2016), and tree-ps adv-star under any gate. bsp, and softsync over
+    every worker, are synchronous."""
+    strategy, consistency = _get(flat, "strategy"), _get(flat, "consistency")
+    if strategy not in ("ps", "tree-ps") or _get(flat, "workers") == 1:
+        return False
+    if strategy == "tree-ps" and _get(flat, "variant") == "adv-star":
+        return True  # learners read the weights on their own clock whatever the gate (Rudra-adv*)
+    if consistency == "bsp":
+        return False
+    if consistency == "ssp" and _get(flat, "staleness") == 0:
+        return False  # ssp with bound 0 is bsp
+    if consistency == "softsync" or (strategy == "tree-ps" and _get(flat, "softsync")):
+        per_update = _get(flat, "softsync") or _get(flat, "workers")
+        return per_update < _get(flat, "workers")
+    return True
+
+
+def _label(flat: Mapping[str, Any]) -> str:
+    return f"{_get(flat, 'strategy')}/{_get(flat, 'consistency')}"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Values for the configurations ``applies`` accepts; ``label`` names them in sources."""
+
+    label: Callable[[Mapping[str, Any]], str]
+    applies: Callable[[Mapping[str, Any]], bool]
+    values: Mapping[str, Any]
+    why: str
+
+
+def _optimizer_is(name: str) -> Callable[[Mapping[str, Any]], bool]:
+    return lambda flat: _get(flat, "optimizer") == name
+
+
+TABLE: tuple[Rule, ...] = (
+    Rule(label=lambda flat: "ps/ssp",
+         applies=lambda flat: _get(flat, "strategy") == "ps" and _get(flat, "consistency") == "ssp",
+         values={"staleness": 2},
+         why="ssp with bound 0 is bsp; a bound of 2 clocks lets a straggler fall behind a little "
+             "(Ho et al. 2013) without stalling the others"),
+    Rule(label=_label,
+         applies=is_asynchronous,
+         values={"optimizer": "adagrad", "momentum": 0.0},
+         why="Downpour with Adagrad on the servers was Dean et al. 2012's best performer; in the sweep it was "
+             "the one setting within 0.92x of allreduce on every asynchronous configuration and dataset"),
+    Rule(label=_label,
+         applies=lambda flat: is_asynchronous(flat) and _get(flat, "optimizer") == "sgd",
+         values={"momentum": 0.0, "lr": 0.2},
+         why="asynchrony acts as momentum (Mitliagkas et al. 2016): server momentum 0.9 on top of it left "
+             "ps asp at chance (10 %) in the sweep; without momentum, twice the synchronous rate"),
+    Rule(label=lambda flat: "adagrad", applies=_optimizer_is("adagrad"), values={"lr": 0.05},
+         why="Adagrad's step is lr over the root of the summed squared gradients: 0.1 overshot in the sweep"),
+    Rule(label=lambda flat: "adam", applies=_optimizer_is("adam"), values={"lr": 0.003},
+         why="Adam's step is about lr per coordinate: 0.1 overshoots; 0.003 was best in the sweep"),
+)
+
+
+def resolve(given: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The values and sources of the keys ``given`` leaves unset that a rule decides."""
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for rule in TABLE:
+        view = {**given, **values}  # a later rule sees what earlier ones decided
+        if not rule.applies(view):
+            continue
+        for key, value in rule.values.items():
+            if key not in view:
+                values[key] = value
+                sources[key] = f"default for {rule.label(view)}"
+    return values, sources
+
+
+def risks(flat: Mapping[str, Any], sources: Mapping[str, str]) -> list[str]:
+    """One line for each value the user set that the table advises against here."""
+    lines = []
+    if is_asynchronous(flat) and _get(flat, "optimizer") == "sgd" and _get(flat, "momentum") > 0 \
+            and sources.get("momentum") in USER_SOURCES:
+        lines.append(f"momentum {_get(flat, 'momentum'):g} ({sources['momentum']}) under {_label(flat)}: asynchrony "
+                     f"already acts as momentum (Mitliagkas et al. 2016), and the two together can stall or "
+                     f"diverge; the default here is 0 (drop --momentum), or pass --staleness-lr")
+    if _get(flat, "optimizer") != "sgd" and _get(flat, "momentum") > 0 and sources.get("momentum") in USER_SOURCES:
+        lines.append(f"momentum {_get(flat, 'momentum'):g} ({sources['momentum']}) has no effect with optimizer "
+                     f"{_get(flat, 'optimizer')} ({sources.get('optimizer', 'default')}): pass --optimizer sgd "
+                     f"to use it")
+    return lines

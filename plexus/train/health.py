@@ -1,0 +1,110 @@
+"""Whether a run is learning: ``ok``, ``stalled`` or ``diverging``, and why.
+
+Asynchronous training fails in two quiet ways. It diverges without NaNs: the loss climbs
+and stays high. Or it stalls: with server momentum on top of asynchrony, a Downpour run
+sat at ln 10, chance on ten classes, for all of its 300 steps without one warning (issue
+12's sweep). ``Health`` watches one worker's training losses for both; ``hint`` names the
+likely cause from the effective configuration and the flag to change.
+
+Rules (pure; the runner feeds them, tests drive them directly):
+- diverging: a training loss above ``DIVERGED`` times the first one;
+- stalled: once ``fraction`` of the run has passed (and at least ``2 * window`` steps),
+  the mean loss of the last ``window`` steps is no better than at the start (above
+  ``1 - min_gain`` times the mean of the first ``window`` losses), or no better than
+  chance (above ``1 - min_gain`` times ln(classes), the loss of a uniform guess);
+- a stalled run that falls below both bars again is ``ok`` again (a slow start is not a
+  stall); diverging stays;
+- the summary also calls a run stalled whose final test accuracy is within
+  ``CHANCE_MARGIN`` of chance (1 / classes).
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Literal, Mapping
+
+__all__ = ["Health", "HealthState", "DIVERGED", "CHANCE_MARGIN", "hint", "worst"]
+
+HealthState = Literal["ok", "stalled", "diverging"]
+
+# A training loss this many times its first value means the run is diverging.
+DIVERGED = 10.0
+# A final test accuracy below chance plus this is no better than chance.
+CHANCE_MARGIN = 0.05
+_ORDER = {"ok": 0, "stalled": 1, "diverging": 2}
+
+
+@dataclass
+class Health:
+    """Feed ``observe(step, loss)`` every step; it returns the new state when it changes."""
+
+    total_steps: int
+    classes: int | None = None
+    fraction: float = 0.3
+    window: int = 10
+    min_gain: float = 0.03
+    state: HealthState = "ok"
+    step: int | None = None
+
+    def __post_init__(self) -> None:
+        self._first: list[float] = []
+        self._recent: deque[float] = deque(maxlen=self.window)
+
+    @property
+    def chance_loss(self) -> float | None:
+        return math.log(self.classes) if self.classes and self.classes > 1 else None
+
+    def observe(self, step: int, loss: float) -> HealthState | None:
+        if len(self._first) < self.window:
+            self._first.append(loss)
+        self._recent.append(loss)
+        if self.state == "diverging":
+            return None
+        if loss > DIVERGED * max(self._first[0], 0.1):
+            return self._become("diverging", step)
+        if step >= max(self.fraction * self.total_steps, 2 * self.window):
+            recent = sum(self._recent) / len(self._recent)
+            start = sum(self._first) / len(self._first)
+            bar = 1.0 - self.min_gain
+            chance = self.chance_loss
+            stalled = recent > bar * start or (chance is not None and recent > bar * chance)
+            if stalled and self.state == "ok":
+                return self._become("stalled", step)
+            if not stalled and self.state == "stalled":
+                return self._become("ok", step)
+        return None
+
+    def diverged(self, step: int) -> None:
+        """A non-finite loss at ``step``: diverging, whatever came before."""
+        self._become("diverging", step)
+
+    def _become(self, state: HealthState, step: int) -> HealthState:
+        self.state, self.step = state, step
+        return state
+
+
+def worst(states: list[tuple[HealthState, int | None]]) -> tuple[HealthState, int | None]:
+    """The worst state of several workers, with the earliest step it was seen at."""
+    state = max((s for s, _ in states), key=_ORDER.__getitem__, default="ok")
+    steps = [step for s, step in states if s == state and step is not None]
+    return state, min(steps) if steps else None
+
+
+def hint(state: HealthState, settings: Mapping[str, Any], asynchronous: bool, staleness_mean: float | None = None
+         ) -> str:
+    """The likely cause of ``state`` under the effective configuration, and the flag to change."""
+    value = lambda key: settings[key]["value"]  # noqa: E731
+    source = lambda key: settings[key]["source"]  # noqa: E731
+    lr, momentum = value("lr"), value("momentum")
+    if asynchronous and value("optimizer") == "sgd" and momentum > 0:
+        return (f"momentum {momentum:g} ({source('momentum')}) under asynchronous updates: asynchrony already acts "
+                f"as momentum (Mitliagkas et al. 2016); pass --momentum 0 (the default here)")
+    if asynchronous and not value("staleness_lr"):
+        stale = f" for the measured staleness (mean {staleness_mean:.1f})" if staleness_mean else ""
+        return (f"the learning rate {lr:g} ({source('lr')}) may be too large{stale}; lower --lr or pass "
+                f"--staleness-lr (Zhang et al. 2016)")
+    if state == "diverging":
+        return f"the learning rate {lr:g} ({source('lr')}) is probably too large; lower --lr"
+    return (f"the loss did not fall below its start or chance: check the data and model, or change --lr "
+            f"(now {lr:g}, {source('lr')})")

@@ -1,0 +1,120 @@
+"""Per-strategy defaults (config/defaults.py): values the user did not set come from the
+strategy and its consistency model, a value the user set is never overridden, and every
+value names its source."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from plexus.cli import main
+from plexus.config import JobConfig
+from plexus.config.defaults import is_asynchronous, resolve, risks
+from plexus.errors import ConfigError
+
+
+def build(flat: dict, source: str = "flag") -> JobConfig:
+    return JobConfig.from_flat(flat, {k: source for k in flat})
+
+
+@pytest.mark.parametrize("flat", [
+    {"strategy": "ps", "workers": 4},
+    {"strategy": "ps", "consistency": "ssp", "staleness": 1, "workers": 4},
+    {"strategy": "ps", "consistency": "softsync", "softsync": 2, "workers": 4},
+    {"strategy": "tree-ps", "workers": 4},
+    {"strategy": "tree-ps", "variant": "adv-star", "consistency": "softsync", "softsync": 2, "workers": 4},
+    {"strategy": "tree-ps", "variant": "adv-star", "consistency": "bsp", "workers": 4},
+])
+def test_asynchronous_parameter_servers_default_to_adagrad_without_momentum(flat):
+    cfg = build(flat)
+    label = f"default for {flat['strategy']}/{cfg.strategy.consistency}"
+    assert (cfg.optim.optimizer, cfg.optim.lr, cfg.optim.momentum) == ("adagrad", 0.05, 0.0)
+    assert cfg.source("optimizer") == label and cfg.source("momentum") == label
+    assert cfg.source("lr") == "default for adagrad" and cfg.source("workers") == "flag"
+
+
+def test_plain_sgd_chosen_under_asynchrony_gets_no_momentum_and_a_larger_rate():
+    cfg = build({"strategy": "ps", "workers": 4, "optimizer": "sgd"})
+    assert (cfg.optim.lr, cfg.optim.momentum) == (0.2, 0.0)
+    assert cfg.source("lr") == "default for ps/asp"
+
+
+@pytest.mark.parametrize("optimizer, lr", [("adam", 0.003), ("adagrad", 0.05), ("sgd", 0.1)])
+def test_each_optimizer_has_its_own_learning_rate(optimizer, lr):
+    cfg = build({"strategy": "allreduce", "optimizer": optimizer})
+    assert cfg.optim.lr == lr and cfg.optim.momentum == 0.9
+
+
+@pytest.mark.parametrize("flat", [
+    {"strategy": "allreduce", "workers": 4},
+    {"strategy": "ps", "consistency": "bsp", "workers": 4},
+    {"strategy": "ps", "consistency": "softsync", "workers": 4},  # softsync over every worker
+    {"strategy": "ps", "workers": 1},
+    {"strategy": "tree-ps", "consistency": "bsp", "workers": 4},
+    {"strategy": "gossip", "async_gossip": True, "workers": 4},
+])
+def test_synchronous_configurations_keep_the_global_defaults(flat):
+    cfg = build(flat)
+    assert (cfg.optim.optimizer, cfg.optim.lr, cfg.optim.momentum) == ("sgd", 0.1, 0.9)
+    assert cfg.source("momentum") == "default"
+    assert not is_asynchronous(cfg.to_flat())
+
+
+def test_ssp_gets_a_bound_and_then_counts_as_asynchronous():
+    cfg = build({"strategy": "ps", "consistency": "ssp", "workers": 4})
+    assert cfg.strategy.staleness == 2 and cfg.source("staleness") == "default for ps/ssp"
+    assert cfg.optim.momentum == 0.0  # ssp with a bound above 0 is asynchronous
+    # A bound of 0 set by the user is bsp, and keeps the synchronous momentum.
+    assert build({"strategy": "ps", "consistency": "ssp", "staleness": 0, "workers": 4}).optim.momentum == 0.9
+
+
+@pytest.mark.parametrize("source", ["flag", "file", "spec", "api"])
+def test_a_value_the_user_set_is_never_overridden_and_a_risky_one_is_named(source):
+    cfg = build({"strategy": "ps", "workers": 4, "optimizer": "sgd", "momentum": 0.9}, source)
+    assert cfg.optim.momentum == 0.9 and cfg.source("momentum") == source
+    (line,) = risks(cfg.to_flat(), cfg.sources)
+    assert f"momentum 0.9 ({source}) under ps/asp" in line and "Mitliagkas" in line
+    cfg = build({"strategy": "ps", "workers": 4, "momentum": 0.9}, source)
+    (line,) = risks(cfg.to_flat(), cfg.sources)
+    assert "has no effect with optimizer adagrad (default for ps/asp)" in line
+    assert risks(build({"strategy": "ps", "workers": 4}).to_flat(), build({"strategy": "ps", "workers": 4}).sources) \
+        == []
+
+
+def test_replace_resolves_the_defaults_again_but_keeps_the_users_values():
+    cfg = build({"strategy": "ps", "workers": 4, "lr": 0.05})
+    sync = cfg.replace(strategy="allreduce")
+    assert sync.optim.momentum == 0.9 and sync.optim.lr == 0.05 and sync.source("lr") == "flag"
+    assert sync.source("strategy") == "api"
+
+
+def test_resolve_names_only_what_the_user_left_unset():
+    values, sources = resolve({"strategy": "ps", "consistency": "asp", "workers": 4, "momentum": 0.5,
+                               "optimizer": "sgd", "lr": 0.1})
+    assert values == {} and sources == {}
+
+
+def test_sources_survive_config_json():
+    cfg = build({"strategy": "ps", "workers": 4})
+    again = JobConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
+    assert again == cfg and again.sources == cfg.sources
+    assert again.settings()["optimizer"] == {"value": "adagrad", "source": "default for ps/asp"}
+
+
+def test_a_value_of_the_wrong_type_names_its_key_and_source():
+    with pytest.raises(ConfigError, match=r"workers must be int, got 'two' \(str, from file\)"):
+        build({"workers": "two"}, "file")
+    with pytest.raises(ConfigError, match="lr must be float"):
+        build({"lr": "fast"})
+
+
+def test_print_config_shows_effective_values_and_sources(capsys, tmp_path):
+    toml = tmp_path / "job.toml"
+    toml.write_text('lr = 0.05\nworkers = 4\n')
+    assert main(["train", "--strategy", "ps", "--config", str(toml), "--print-config"]) == 0
+    lines = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()
+             if not line.startswith("[")}
+    assert lines["optimizer"] == ['"adagrad"', "default", "for", "ps/asp"]
+    assert lines["lr"] == ["0.05", "file"] and lines["strategy"] == ['"ps"', "flag"]
+    assert lines["weight_decay"] == ["0.0", "default"]
+    assert not list(tmp_path.glob("runs"))  # nothing trained, nothing written

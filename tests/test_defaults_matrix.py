@@ -1,0 +1,68 @@
+"""Issue 12's defaults matrix: every strategy and variant, trained with only the flags
+that select it plus --workers 4, reaches at least 0.9x the accuracy of allreduce at the
+same steps and seed, on digits and on mnist1d (``plexus bench defaults`` prints the same
+matrix as a table).
+
+Steps: 300 on digits, which passes 90 % within a few hundred; 800 on mnist1d, where at 300
+steps every run is still on the steep part of its curve and asynchronous runs of the same
+command differ by +-5 points from one run to the next (measured). A row below 0.9x at
+seed 0 is measured again, with the reference, at seed 1, and must reach 0.9x on the mean
+of the two seeds: one run of an asynchronous strategy is a sample, not a verdict.
+"""
+from __future__ import annotations
+
+import pytest
+
+from plexus.bench.defaults import DEFAULT_STEPS, MATRIX, REFERENCE, train_one
+
+STEPS = DEFAULT_STEPS
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Accuracy of allreduce per (dataset, seed), trained on first use."""
+    root, cache = tmp_path_factory.mktemp("reference"), {}
+
+    def accuracy(dataset: str, seed: int) -> float:
+        if (dataset, seed) not in cache:
+            summary = train_one(dataset, REFERENCE, str(root / f"{dataset}-{seed}"), steps=STEPS[dataset], seed=seed)
+            cache[dataset, seed] = summary["final_test_accuracy"]
+        return cache[dataset, seed]
+    return accuracy
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dataset", list(STEPS))
+@pytest.mark.parametrize("label", [label for label in MATRIX if label != REFERENCE])
+def test_learns_with_its_defaults(label, dataset, reference, tmp_path):
+    summary = train_one(dataset, label, str(tmp_path / "0"), steps=STEPS[dataset])
+    assert summary["health"] == "ok", summary["health_hint"]
+    accuracy, ref = summary["final_test_accuracy"], reference(dataset, 0)
+    if accuracy < 0.9 * ref:
+        again = train_one(dataset, label, str(tmp_path / "1"), steps=STEPS[dataset], seed=1)
+        accuracy = (accuracy + again["final_test_accuracy"]) / 2
+        ref = (ref + reference(dataset, 1)) / 2
+    assert accuracy >= 0.9 * ref, (
+        f"{label} on {dataset}: {accuracy:.3f} against allreduce {ref:.3f} (mean of seeds 0 and 1); settings "
+        f"{({k: v for k, v in summary['settings'].items() if v['source'] != 'default'})}")
+
+
+@pytest.mark.slow
+def test_the_asp_kill_example_learns_with_its_defaults(tmp_path):
+    """README's fault example, as a new user runs it: no flag but the ones that select it."""
+    import plexus
+    summary = plexus.run({"strategy": "ps", "consistency": "asp", "servers": 2, "workers": 4,
+                          "kill": "worker:1@step=30", "out": str(tmp_path)})
+    assert summary["lost_workers"] == [1]
+    assert summary["final_test_accuracy"] >= 0.9 and summary["health"] == "ok"
+
+
+@pytest.mark.slow
+def test_a_straggler_under_asp_learns_with_its_defaults(tmp_path):
+    import plexus
+    summary = plexus.run({"strategy": "ps", "consistency": "asp", "workers": 4, "slow": "worker:0=4",
+                          "out": str(tmp_path)})
+    assert summary["final_test_accuracy"] >= 0.9 and summary["health"] == "ok"
+    # The slow worker makes as many steps as the others (fixed partitions), so it ends last;
+    # its updates are stale, which asp with the default server Adagrad absorbs.
+    assert summary["staleness_max"] >= 3

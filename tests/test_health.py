@@ -1,0 +1,110 @@
+"""Run health (train/health.py): diverging and stalled runs are detected while they
+happen, named in the summary, and explained with the flag to change."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from plexus.config import JobConfig
+from plexus.train.health import Health, hint, worst
+from plexus.train.metrics import read_events
+
+from test_cli import plexus_cli
+
+
+def feed(health: Health, losses: list[float]) -> list[tuple[int, str]]:
+    return [(step, state) for step, loss in enumerate(losses, 1) if (state := health.observe(step, loss))]
+
+
+def test_a_falling_loss_is_ok():
+    losses = [2.3 * math.exp(-step / 40) + 0.05 for step in range(300)]
+    assert feed(Health(total_steps=300, classes=10), losses) == []
+
+
+def test_a_loss_at_chance_is_stalled_after_the_set_fraction():
+    health = Health(total_steps=300, classes=10)
+    changes = feed(health, [math.log(10) + 0.01 * (-1) ** step for step in range(300)])
+    assert changes == [(90, "stalled")] and health.step == 90  # 30 % of 300 steps
+
+
+def test_a_slow_start_is_not_a_stall_once_the_loss_falls():
+    health = Health(total_steps=100, classes=10)
+    changes = feed(health, [2.3] * 40 + [1.0] * 20)
+    assert changes == [(30, "stalled"), (41, "ok")] and health.state == "ok"
+
+
+def test_a_loss_no_better_than_its_start_is_stalled_even_below_chance():
+    # Regression, or a model that starts below ln(classes): only "no better than at start" applies.
+    changes = feed(Health(total_steps=100, classes=None), [0.8] * 50)
+    assert changes == [(30, "stalled")]
+
+
+def test_a_rising_loss_is_diverging_and_stays_so():
+    health = Health(total_steps=100, classes=10)
+    changes = feed(health, [2.3, 2.0, 5.0, 30.0, 2.0, 500.0])
+    assert changes == [(4, "diverging")]
+
+
+def test_short_runs_are_not_judged_before_two_windows():
+    assert feed(Health(total_steps=10, classes=10), [math.log(10)] * 10) == []
+
+
+def test_the_worst_state_wins_with_its_earliest_step():
+    assert worst([("ok", None), ("stalled", 50), ("diverging", 70), ("diverging", 40)]) == ("diverging", 40)
+    assert worst([]) == ("ok", None)
+
+
+def test_hints_name_the_cause_from_the_effective_configuration():
+    cfg = JobConfig.from_flat({"strategy": "ps", "workers": 4, "momentum": 0.99, "lr": 1.0, "optimizer": "sgd"},
+                              {"momentum": "flag"})
+    assert "pass --momentum 0" in hint("diverging", cfg.settings(), True)
+    cfg = JobConfig.from_flat({"strategy": "ps", "workers": 4, "lr": 3.0, "optimizer": "sgd"}, {"lr": "flag"})
+    text = hint("stalled", cfg.settings(), True, staleness_mean=3.2)
+    assert "learning rate 3 (flag)" in text and "mean 3.2" in text and "--staleness-lr" in text
+    cfg = JobConfig.from_flat({"strategy": "allreduce", "lr": 20.0})
+    assert "lower --lr" in hint("diverging", cfg.settings(), False)
+
+
+@pytest.mark.slow
+def test_a_bad_asynchronous_configuration_ends_unhealthy_with_a_hint(tmp_path):
+    """Issue 12's deliberately bad configuration: explicit momentum 0.99 and lr 1 under asp."""
+    result = plexus_cli("train", "--strategy", "ps", "--consistency", "asp", "--servers", "2", "--workers", "4",
+                        "--optimizer", "sgd", "--momentum", "0.99", "--lr", "1", "--steps", "100", "--out",
+                        str(tmp_path), "--json")
+    # The loss may stay finite (the job completes) or become NaN on every worker (the job
+    # fails, status 1): either way summary.json says why, and one closing line gives the hint.
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == ("completed" if result.returncode == 0 else "failed"), result.stderr
+    assert summary["health"] in ("stalled", "diverging") and summary["health_step"] >= 1
+    assert "pass --momentum 0" in summary["health_hint"]
+    closing = [line for line in result.stderr.splitlines() if "warning: training" in line
+               and not line.startswith("[")]
+    assert len(closing) == 1 and "--momentum 0" in closing[0], result.stderr
+    assert "plexus: warning: momentum 0.99 (flag) under ps/asp" in result.stderr  # said before training
+    assert read_events(tmp_path, "health")
+
+
+@pytest.mark.slow
+def test_a_run_that_does_not_learn_is_stalled(tmp_path):
+    result = plexus_cli("train", "--workers", "2", "--steps", "60", "--lr", "1e-6", "--out", str(tmp_path), "--json")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout.splitlines()[-1])
+    assert summary["health"] == "stalled" and summary["health_step"] == 20
+    assert "warning: training stalled" in result.stderr
+    (event, *_) = read_events(tmp_path, "health")
+    assert event["state"] == "stalled"
+    html = (tmp_path / "index.html").read_text()
+    assert 'class="unhealthy"' in html
+
+
+@pytest.mark.slow
+def test_a_healthy_run_says_ok(tmp_path):
+    result = plexus_cli("train", "--strategy", "ps", "--workers", "2", "--steps", "100", "--out", str(tmp_path),
+                        "--json", "--quiet")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout.splitlines()[-1])
+    assert summary["health"] == "ok" and summary["health_hint"] is None
+    assert summary["settings"]["optimizer"] == {"value": "adagrad", "source": "default for ps/asp"}
+    assert "warning" not in result.stderr
