@@ -11,6 +11,8 @@ Recovery, by type:
 - ``ProtocolError``: a peer sent something that does not fit the protocol (wrong length,
   dtype or operation). Only the link it arrived on is affected.
 - ``JobFailed``: a process of the job exited abnormally; carries its exit status.
+- ``JobInterrupted``: the user stopped the job (Ctrl-C, SIGTERM); its summary.json is
+  marked ``interrupted`` with what was measured so far. Status 128 + the signal.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ __all__ = [
     "PeerLost",
     "ProtocolError",
     "JobFailed",
+    "JobInterrupted",
 ]
 
 
@@ -63,3 +66,12 @@ class JobFailed(PlexusError):
     def __init__(self, message: str, exit_code: int = 1) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+class JobInterrupted(JobFailed):
+    """The job was stopped by signal ``signum`` (SIGINT, SIGTERM) before it finished;
+    ``exit_code`` is 128 + ``signum``, as a shell reports it."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message, exit_code=128 + signum)
+        self.signum = signum

@@ -46,8 +46,10 @@ def exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def _pump(stream, prefix: str, sink: TextIO, lock: threading.Lock) -> None:
+def _pump(stream, prefix: str, sink: TextIO, lock: threading.Lock, muted: threading.Event) -> None:
     for raw in iter(stream.readline, b""):
+        if muted.is_set():
+            continue  # read on, so the child never blocks on a full pipe
         line = raw.decode(errors="replace").rstrip("\n")
         with lock:
             sink.write(f"{prefix}{line}\n")
@@ -85,12 +87,13 @@ def launch(argv: Sequence[str], roles: Sequence[RoleSpec], *, env: dict[str, str
            may_fail: Callable[[RoleSpec, int], bool] | None = None, poll: Callable[[], None] | None = None,
            grace: float = 2.0, sink: TextIO | None = None, time_limit: float | None = None,
            on_exit: Callable[[RoleSpec, int], None] | None = None,
-           entry: Callable[[], int | None] | None = None, threads: int = 1) -> int:
+           entry: Callable[[], int | None] | None = None, threads: int = 1,
+           warm: Callable[[], None] | None = None, signals: list[int] | None = None) -> int:
     """Run ``argv`` once per role and wait for all of them.
 
     With ``entry``, the function that ``argv`` would run, each child is forked from a fork
     server and calls ``entry()`` where ``can_fork(threads)`` allows; else ``argv`` starts a
-    fresh interpreter.
+    fresh interpreter. ``warm()`` runs once in the fork server before the first fork.
 
     Each child gets ``env`` plus its role's ``env`` plus ``PLEXUS_ROLE``,
     ``PLEXUS_ROLE_RANK`` and ``PLEXUS_PARENT_PID``. A child whose failure ``may_fail``
@@ -99,13 +102,18 @@ def launch(argv: Sequence[str], roles: Sequence[RoleSpec], *, env: dict[str, str
     ``time_limit`` seconds after start every child is stopped and 124 returned.
 
     Returns 0 when every child succeeded, else the first failure's exit status
-    (128 + signal for the launcher's own SIGINT/SIGTERM).
+    (128 + signal for the launcher's own SIGINT/SIGTERM, which it also appends to
+    ``signals``, so a caller can tell an interrupted job from a failed one). After such a
+    signal the children's output is dropped unless logging is at INFO (``--debug``): what
+    they say while being stopped (a peer's link closed) is noise to a user who pressed
+    Ctrl-C.
     """
     sink = sink or sys.stderr
     base_env = dict(os.environ if env is None else env)
     children = _Children()
     lock = threading.Lock()
-    received: list[int] = []
+    received: list[int] = [] if signals is None else signals
+    muted = threading.Event()
 
     def on_signal(signum, _frame) -> None:
         received.append(signum)
@@ -118,7 +126,7 @@ def launch(argv: Sequence[str], roles: Sequence[RoleSpec], *, env: dict[str, str
     status = 0
     started = time.monotonic()
     # Forked now, before any child exists, while this process's threads are idle.
-    forks = ForkServer(entry) if entry is not None and can_fork(threads) else None
+    forks = ForkServer(entry, warm) if entry is not None and can_fork(threads) else None
     try:
         for spec in roles:
             child_env = {**base_env, **spec.env, "PLEXUS_ROLE": spec.role, "PLEXUS_ROLE_RANK": str(spec.rank),
@@ -130,13 +138,16 @@ def launch(argv: Sequence[str], roles: Sequence[RoleSpec], *, env: dict[str, str
                                         stderr=subprocess.STDOUT, start_new_session=True)
             children.procs.append((spec, proc))
         for spec, proc in children.procs:
-            pump = threading.Thread(target=_pump, args=(proc.stdout, f"[{spec.name}] ", sink, lock), daemon=True)
+            pump = threading.Thread(target=_pump, args=(proc.stdout, f"[{spec.name}] ", sink, lock, muted),
+                                    daemon=True)
             pump.start()
             pumps.append(pump)
         pending = {proc.pid for _, proc in children.procs}
         while pending:
             if received:
-                logger.warning("launcher: received signal %d, stopping %d processes", received[0], len(pending))
+                logger.info("launcher: received signal %d, stopping %d processes", received[0], len(pending))
+                if not logger.isEnabledFor(logging.INFO):
+                    muted.set()
                 status = 128 + received[0]
                 break
             if time_limit is not None and time.monotonic() - started > time_limit:

@@ -22,6 +22,7 @@ import logging
 import os
 import secrets
 import socket
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,8 +30,8 @@ import torch.distributed as dist
 
 from plexus.errors import CommTimeout, ConfigError, PeerLost
 
-__all__ = ["ProcessInfo", "host_store", "connect_store", "new_token", "job_namespace", "store_get_json",
-           "store_set_json", "wait_keys", "store_barrier"]
+__all__ = ["ProcessInfo", "host_store", "connect_store", "await_listener", "new_token", "job_namespace",
+           "store_get_json", "store_set_json", "wait_keys", "store_barrier"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,8 @@ class ProcessInfo:
 
     @property
     def name(self) -> str:
-        return f"{self.role} {self.rank}"
+        """``worker 3``; ``joining worker`` before a joining worker has its rank (rank -1)."""
+        return f"{self.role} {self.rank}" if self.rank >= 0 else f"joining {self.role}"
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "ProcessInfo":
@@ -157,6 +159,12 @@ def host_store(host: str, port: int, token: str, timeout: float) -> dist.TCPStor
     return store
 
 
+def _first_line(exc: BaseException) -> str:
+    """c10d's errors carry the C++ stack after their first line: keep the message."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def connect_store(info: ProcessInfo, timeout: float) -> dist.PrefixStore:
     """Join the job's store and check the token; returns the job's namespace.
 
@@ -171,18 +179,36 @@ def connect_store(info: ProcessInfo, timeout: float) -> dist.PrefixStore:
                                   timeout=dt.timedelta(seconds=timeout))
     except (RuntimeError, OSError) as exc:
         raise PeerLost(f"{info.name}: cannot reach the rendezvous store at {info.master_addr}:"
-                       f"{info.master_port} within {timeout:g} s: {exc}", peer="store") from None
+                       f"{info.master_port} within {timeout:g} s: {_first_line(exc)}", peer="store") from None
     # The first process to arrive stamps the digest (our launcher already has; under
     # torchrun's agent store the first worker does), atomically; the rest compare.
     try:
         theirs = store.compare_set(_DIGEST_KEY, "", _digest(info.token)).decode()
     except RuntimeError as exc:
         raise CommTimeout(f"{info.name}: the store at {info.master_addr}:{info.master_port} did not "
-                          f"answer within {timeout:g} s: {exc}", peer="store") from None
+                          f"answer within {timeout:g} s: {_first_line(exc)}", peer="store") from None
     if theirs != _digest(info.token):
         raise ConfigError(f"{info.name}: refused by the job at {info.master_addr}:{info.master_port}: "
                           f"the job token does not match; set PLEXUS_TOKEN to the job's token")
     return dist.PrefixStore(job_namespace(info.token), store)
+
+
+def await_listener(host: str, port: int, timeout: float, what: str) -> None:
+    """Wait up to ``timeout`` seconds for something to listen on ``host:port``, with a
+    plain socket: c10d's own client retries with 40 lines of C++ frames per attempt and
+    may outlast the timeout. Raises ConfigError naming the address and ``what`` to check."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(1.0, left))):
+                return
+        except OSError as exc:
+            if time.monotonic() + 0.2 >= deadline:
+                why = exc.strerror or type(exc).__name__
+                raise ConfigError(f"nothing listens at {host}:{port} ({why}, tried for {timeout:g} s): {what}") \
+                    from None
+            time.sleep(0.2)
 
 
 def store_set_json(store: dist.Store, key: str, value: Any) -> None:

@@ -227,8 +227,8 @@ class ClusterConfig:
                  self.transport, "pass --transport auto")
         _require(self.threads >= 0, "threads", "must be non-negative", self.threads, "pass --threads 1")
         for spec in (*self.slow, *self.kill):
-            if spec.role == "aggregator":
-                continue  # how many there are depends on the strategy's tree (checked there)
+            if spec.role != "worker":
+                continue  # servers and aggregators depend on the strategy (train/preflight.py)
             count = self.workers if spec.role == "worker" else self.servers
             _require(spec.rank < count, f"--{'slow' if isinstance(spec, SlowSpec) else 'kill'}",
                      f"must name an existing {spec.role} (there are {count})", f"{spec.role}:{spec.rank}",
@@ -328,9 +328,13 @@ class RunConfig:
     eval_every: int = 50
     # Write a training event to metrics.jsonl every this many steps.
     log_every: int = 10
+    # Seed of the data order and the initial model (numpy and torch take 0 .. 2**32 - 1).
     seed: int = 0
     # Run directory; None writes nowhere.
     out: str | None = None
+    # Write into an --out directory that already holds files (an earlier run's results
+    # there are replaced); without it such a directory is refused, so no run is lost.
+    overwrite: bool = False
     save_model: bool = False
     json: bool = False
     quiet: bool = False
@@ -346,7 +350,13 @@ class RunConfig:
                  "must be a fraction in (0, 1]", self.target_accuracy, "pass --target-accuracy 0.9")
         _require(self.eval_every >= 0, "eval_every", "must be non-negative", self.eval_every, "pass --eval-every 50")
         _require(self.log_every >= 1, "log_every", "must be at least 1", self.log_every, "pass --log-every 10")
+        _require(0 <= self.seed < 2**32, "seed", "must lie in [0, 2**32 - 1] (numpy's and torch's seed range)",
+                 self.seed, "pass --seed 0 or another non-negative integer")
 
+
+# Keys that name a field by another name: ``async = true`` in TOML, as the flag is
+# ``--async`` (the field is async_gossip, since ``async`` is a Python keyword).
+_ALIASES = {"async": "async_gossip"}
 
 _COMPONENTS = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig, "cluster": ClusterConfig,
                "strategy": StrategyConfig, "run": RunConfig}
@@ -391,13 +401,14 @@ class JobConfig:
         """
         from plexus.config.defaults import resolve
         given: dict[str, Any] = {}
+        origin = {_ALIASES.get(k.replace("-", "_"), k.replace("-", "_")): v for k, v in (sources or {}).items()}
         for key, value in flat.items():
             key = key.replace("-", "_")
+            key = _ALIASES.get(key, key)
             if key not in _OWNER:
                 raise ConfigError(f"unknown configuration key {key!r}: known keys are "
                                   f"{', '.join(sorted(_OWNER))}")
             given[key] = value
-        origin = {k.replace("-", "_"): v for k, v in (sources or {}).items()}
         origin = {key: origin.get(key, "api") for key in given}
         _check_types(given, origin)
         defaults, default_sources = resolve(given)
