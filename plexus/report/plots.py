@@ -21,7 +21,10 @@ from typing import Any
 import numpy as np
 from matplotlib.figure import Figure
 
-__all__ = ["PlotRun", "Plot", "write_plots", "byte_unit"]
+__all__ = ["PlotRun", "Plot", "write_plots", "byte_unit", "plot_series", "throughput_series", "bytes_series",
+           "job_samples_series", "time_split_series"]
+
+MIB = float(2**20)  # the one byte unit of the plots, the tables and the CLI
 
 # Fraction of a run's duration over which throughput is averaged: short enough to show
 # a slowdown (a straggler, a lost worker), long enough that the uneven spacing of log
@@ -70,18 +73,15 @@ def _of_kind(run: PlotRun, kind: str) -> list[dict[str, Any]]:
     return [e for e in run.events if isinstance(e, dict) and e.get("event") == kind]
 
 
-def _evals(run: PlotRun) -> tuple[list[dict[str, Any]], str]:
-    """The eval events to plot and the model they evaluate.
-
-    The global model is what the run's accuracy means; strategies without one (each
-    worker keeping its own replica) evaluate replicas, and then the first replica named
-    stands for the run rather than overlaying one line per worker.
-    """
+def _evals(run: PlotRun) -> list[tuple[list[dict[str, Any]], str]]:
+    """The eval events to plot, by model: the global (averaged) model first, then worker
+    0's own replica where the strategy keeps one (gossip, local-sgd, easgd), so that the
+    two are drawn side by side; a run without a global model shows its first replica."""
     evals = [e for e in _of_kind(run, "eval") if _number(e.get("test_accuracy")) is not None]
-    models = sorted({str(e.get("model", "global")) for e in evals})
-    model = "global" if "global" in models or not models else models[0]
-    chosen = [e for e in evals if str(e.get("model", "global")) == model]
-    return chosen, model
+    models = sorted({str(e.get("model", "global")) for e in evals}, key=lambda m: (m != "global", m))
+    if "global" not in models:
+        models = models[:1]
+    return [([e for e in evals if str(e.get("model", "global")) == m], m) for m in models[:2]]
 
 
 def _series(events: list[dict[str, Any]], x: str, y: str) -> tuple[np.ndarray, np.ndarray]:
@@ -114,7 +114,11 @@ def _color(index: int) -> str:
 
 
 def _eval_label(run: PlotRun, model: str) -> str:
-    return run.label if model == "global" else f"{run.label} ({model})"
+    if model == "global":
+        # Beside a replica's line, the global model is the average of the replicas.
+        has_replica = any(e.get("model", "global") != "global" for e in _of_kind(run, "eval"))
+        return f"{run.label} (averaged)" if has_replica else run.label
+    return f"{run.label} ({model.replace('worker', 'worker ')}'s replica)"
 
 
 def _accuracy_vs(runs: Sequence[PlotRun], x: str, out: Path, xlabel: str, title: str,
@@ -122,11 +126,14 @@ def _accuracy_vs(runs: Sequence[PlotRun], x: str, out: Path, xlabel: str, title:
     fig, ax = _new_figure(title, xlabel, "test accuracy (%)")
     drawn = False
     for i, run in enumerate(runs):
-        evals, model = _evals(run)
-        xs, ys = _series(evals, x, "test_accuracy")
-        if len(xs):
-            ax.plot(xs, ys * 100, marker="o", markersize=3, color=_color(i), label=_eval_label(run, model))
-            drawn = True
+        for evals, model in _evals(run):
+            xs, ys = _series(evals, x, "test_accuracy")
+            if len(xs):
+                # The averaged model solid, worker 0's replica dashed, in the run's colour.
+                ax.plot(xs, ys * 100, marker="o" if model == "global" else None, markersize=3,
+                        linestyle="-" if model == "global" else "--", color=_color(i),
+                        label=_eval_label(run, model))
+                drawn = True
     if not drawn:
         return None
     if with_target:
@@ -159,21 +166,30 @@ def _loss(runs: Sequence[PlotRun], out: Path) -> Path | None:
     return _save(fig, ax, out) if drawn else None
 
 
-def _throughput_curve(events: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
-    """Smoothed d(samples)/d(time) of the job, in samples per second.
+def job_samples_series(events: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
+    """(time, samples the whole job has consumed) at every train event: the running
+    maximum of the events' ``samples``, each the job's total as one worker knows it (for
+    asynchronous strategies the sum of every worker's count, kept in the store), so the
+    last value is the summary's ``samples`` and the curve stays defined when a worker is
+    lost."""
+    ts, ss = _series([e for e in events if e.get("event", "train") == "train"], "time", "samples")
+    return ts, (np.maximum.accumulate(ss) if len(ss) else ss)
 
-    Each train event carries the job's sample count as one worker sees it; the running
-    maximum over all workers is the job's progress, and it stays defined when a worker
-    (worker 0 included) is lost. Only the moments the progress first reaches a new
+
+def _throughput_curve(events: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
+    """Smoothed d(samples)/d(time) of the job, in samples per second: the sum over
+    workers, the summary's ``samples_per_second`` over a window instead of the run.
+
+    Each train event carries the job's sample count as one worker knows it
+    (``job_samples_series``). Only the moments the progress first reaches a new
     count are kept: the other workers logging the same step a few milliseconds later add
     no samples, and would otherwise read as zero throughput. The rate at each kept point
     is the slope back to the last point at least ``_THROUGHPUT_WINDOW`` of the run
     earlier (or to the first point), a moving average of the derivative.
     """
-    ts, ss = _series(events, "time", "samples")
+    ts, progress = job_samples_series(events)
     if len(ts) < 2:
         return np.array([]), np.array([])
-    progress = np.maximum.accumulate(ss)
     rises = np.concatenate(([True], progress[1:] > progress[:-1]))
     ts, progress = ts[rises], progress[rises]
     span = ts[-1] - ts[0]
@@ -187,8 +203,8 @@ def _throughput_curve(events: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndar
 
 
 def _throughput(runs: Sequence[PlotRun], out: Path) -> Path | None:
-    fig, ax = _new_figure("Throughput", "time (s)",
-                          f"samples/s (job, sliding window {_THROUGHPUT_WINDOW:.0%} of run)")
+    fig, ax = _new_figure("Throughput of the job (sum over workers)", "time (s)",
+                          f"samples/s, all workers (window {_THROUGHPUT_WINDOW:.0%} of run)")
     drawn = False
     for i, run in enumerate(runs):
         ts, rates = _throughput_curve(_of_kind(run, "train"))
@@ -201,7 +217,8 @@ def _throughput(runs: Sequence[PlotRun], out: Path) -> Path | None:
 
 
 def _bytes_curve(events: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
-    """Total bytes sent by all workers over time.
+    """Total bytes sent by all workers over time (servers and aggregators log no train
+    events, so they are not in it: the summary's ``bytes_sent_workers``, not ``_total``).
 
     ``bytes_sent`` is each process's cumulative counter; at every event the job's total
     is the sum of each worker's latest value, so workers logging at different moments
@@ -223,11 +240,90 @@ def _bytes_sent(runs: Sequence[PlotRun], out: Path) -> Path | None:
     curves = [c for c in curves if len(c[2])]
     if not curves:
         return None
-    divisor, unit = byte_unit(max(float(c[3].max()) for c in curves))
-    fig, ax = _new_figure("Bytes sent", "time (s)", f"cumulative bytes sent, all workers ({unit})")
+    fig, ax = _new_figure("Bytes sent by the workers", "time (s)",
+                          "cumulative MiB sent by the workers (not servers, aggregators)")
     for i, run, ts, totals in curves:
-        ax.step(ts, totals / divisor, where="post", color=_color(i), label=run.label)
+        ax.step(ts, totals / MIB, where="post", color=_color(i), label=run.label)
     return _save(fig, ax, out)
+
+
+def time_split_series(events: list[dict[str, Any]]) -> dict[int, list[tuple[float, float, float, float, float]]]:
+    """Per worker, each interval between two of its train events as (start s, end s,
+    compute s, communication and waiting s, other s): compute is forward + backward,
+    communication and waiting the rest of ``Strategy.step``, other the time outside it
+    (data, logging, snapshots). From the cumulative ``compute_seconds`` and
+    ``step_seconds`` of train events (``plexus.train.timing``); empty for runs without."""
+    out: dict[int, list[tuple[float, float, float, float, float]]] = {}
+    last: dict[int, tuple[float, float, float]] = {}
+    rows = sorted((t, w, c, st) for e in events if e.get("event", "train") == "train"
+                  and (t := _number(e.get("time"))) is not None and isinstance(w := e.get("worker"), int)
+                  and (c := _number(e.get("compute_seconds"))) is not None
+                  and (st := _number(e.get("step_seconds"))) is not None)
+    for t, w, c, st in rows:
+        t0, c0, s0 = last.get(w, (0.0, 0.0, 0.0))
+        span = t - t0
+        if span > 0:
+            compute, inside = max(c - c0, 0.0), max(st - s0, 0.0)
+            comm = max(inside - compute, 0.0)
+            out.setdefault(w, []).append((t0, t, min(compute, span), min(comm, span - min(compute, span)),
+                                          max(span - inside, 0.0)))
+        last[w] = (t, c, st)
+    return out
+
+
+_SPLIT_COLOURS = (("compute (forward + backward)", "#4c72b0"),
+                  ("communication and waiting", "#dd8452"),
+                  ("outside the step (data, logs)", "#cccccc"))
+
+
+def _time_line(runs: Sequence[PlotRun], out: Path) -> Path | None:
+    """One lane per worker of every run; along time, each lane is split into bands whose
+    heights are the shares of compute, communication and waiting, and the rest."""
+    lanes = [(run, w, intervals) for run in runs for w, intervals in sorted(time_split_series(run.events).items())]
+    if not lanes:
+        return None
+    fig = Figure(figsize=(_FIGSIZE[0], max(2.5, 0.32 * len(lanes) + 1.4)), dpi=_DPI, layout="constrained")
+    ax = fig.add_subplot()
+    ax.set_title("Where each worker's time goes")
+    ax.set_xlabel("time (s)")
+    for lane, (run, w, intervals) in enumerate(lanes):
+        y = len(lanes) - 1 - lane
+        arr = np.array(intervals)  # columns: start, end, compute, communication, other
+        widths = arr[:, 1] - arr[:, 0]
+        bottom = np.full(len(arr), y - 0.4)
+        for col, (_, colour) in enumerate(_SPLIT_COLOURS, start=2):
+            height = 0.8 * arr[:, col] / widths
+            ax.bar(arr[:, 0], height, width=widths, bottom=bottom, align="edge", color=colour, linewidth=0)
+            bottom = bottom + height
+    ax.set_yticks(range(len(lanes)), [f"{run.label} w{w}" for run, w, _ in reversed(lanes)], fontsize="small")
+    ax.set_xlim(left=0)
+    from matplotlib.patches import Patch
+    ax.legend(handles=[Patch(color=colour, label=name) for name, colour in _SPLIT_COLOURS], fontsize="x-small",
+              loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3)
+    fig.savefig(out, format="png")
+    return out
+
+
+def throughput_series(events: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
+    """(time, job samples/s) as the throughput plot draws it."""
+    return _throughput_curve([e for e in events if e.get("event", "train") == "train"])
+
+
+def bytes_series(events: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
+    """(time, MiB sent by the workers) as the bytes plot draws it."""
+    ts, totals = _bytes_curve([e for e in events if e.get("event", "train") == "train"])
+    return ts, totals / MIB
+
+
+def plot_series(run: PlotRun) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Every series the plots draw for ``run``, by name, so that tests (and users) can
+    check them against ``summary.json``: ``samples`` (job total), ``throughput`` (job
+    samples/s), ``mib_sent_workers``, and ``accuracy_<model>`` (time, fraction)."""
+    out = {"samples": job_samples_series(run.events), "throughput": throughput_series(run.events),
+           "mib_sent_workers": bytes_series(run.events)}
+    for evals, model in _evals(run):
+        out[f"accuracy_{model}"] = _series(evals, "time", "test_accuracy")
+    return out
 
 
 def _staleness(runs: Sequence[PlotRun], out: Path) -> Path | None:
@@ -261,8 +357,11 @@ def write_plots(runs: Sequence[PlotRun], out_dir: str | Path) -> list[Plot]:
         ("accuracy_samples.png", "Test accuracy against training samples consumed",
          lambda p: _accuracy_vs(runs, "samples", p, "samples", "Test accuracy vs samples", with_target=False)),
         ("loss_time.png", "Training loss against wall time", lambda p: _loss(runs, p)),
-        ("throughput.png", "Training throughput", lambda p: _throughput(runs, p)),
-        ("bytes_sent.png", "Cumulative bytes sent by the workers", lambda p: _bytes_sent(runs, p)),
+        ("throughput.png", "Throughput of the job: samples/s summed over workers", lambda p: _throughput(runs, p)),
+        ("bytes_sent.png", "Cumulative MiB sent by the workers (servers and aggregators not included)",
+         lambda p: _bytes_sent(runs, p)),
+        ("time_line.png", "Per worker: compute, communication and waiting, and the rest, along time",
+         lambda p: _time_line(runs, p)),
         ("staleness.png", "Staleness histogram (last one logged)", lambda p: _staleness(runs, p)),
     )
     written = []

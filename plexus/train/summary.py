@@ -12,11 +12,14 @@ from typing import Any
 
 from plexus.cluster.rendezvous import store_get_json, wait_keys
 from plexus.config import JobConfig
+from plexus.config.applies import applies
 from plexus.config.defaults import is_asynchronous
 from plexus.strategies import strategy_class
 from plexus.train.health import CHANCE_MARGIN, hint, worst
+from plexus.train.metrics import FIGURES
 
-__all__ = ["collect_records", "assemble_summary", "write_summary"]
+__all__ = ["collect_records", "assemble_summary", "write_summary", "FIGURES"]
+
 
 
 def _present(store, key: str) -> bool:
@@ -62,9 +65,11 @@ def assemble_summary(cfg: JobConfig, records: dict[str, Any], lost: dict[str, li
                  for rec in recs.values())
     summary: dict[str, Any] = {
         "strategy": cfg.strategy.strategy,
-        "algorithm": cfg.strategy.algorithm,
+        # null where the strategy has no all-reduce algorithm or no servers (config/applies.py);
+        # strategies with servers give their count (ps: --servers 0 means one).
+        "algorithm": cfg.strategy.algorithm if applies("algorithm", cfg.strategy.strategy) else None,
         "workers": cfg.cluster.workers,
-        "servers": cfg.cluster.servers,
+        "servers": cfg.cluster.servers if applies("servers", cfg.strategy.strategy) else None,
         "dataset": cfg.data.dataset,
         "model": cfg.model.model,
         "steps": steps,
@@ -93,9 +98,40 @@ def assemble_summary(cfg: JobConfig, records: dict[str, Any], lost: dict[str, li
                                    for r in range(cfg.cluster.workers)],
     }
     summary.update(cls.summary_fields(cfg, records))
+    summary.update(_figures(cfg, records, summary, sent))
     summary.update(_health(cfg, workers, ev, summary))
     summary["settings"] = cfg.settings()
     return summary
+
+
+def _figures(cfg: JobConfig, records: dict[str, Any], summary: dict[str, Any], sent: list[int | None]
+             ) -> dict[str, Any]:
+    """The figures every report reads (``FIGURES``), named so that no label has to guess."""
+    workers = records["worker"]
+    count = max([cfg.cluster.workers, *(r + 1 for r in workers)])
+    by_role: dict[str, int] = {"worker": sum(b for b in sent if b is not None)}
+    for role, recs in records.items():
+        if role not in ("worker", "eval", "target") and recs:
+            by_role[role] = sum(rec["bytes_sent"] for rec in recs.values())
+    # Joined workers (ps) count as workers too.
+    by_role["worker"] += sum(w["bytes_sent"] for r, w in workers.items() if r >= cfg.cluster.workers)
+    steps, samples, target = summary["steps"], summary["samples"], cfg.run.target_accuracy
+    final, reached = summary.get("final_test_accuracy"), summary.get("time_to_target_seconds") is not None
+    return {
+        "steps_kind": "global" if samples == steps * cfg.run.batch_size else "worker",
+        "steps_per_worker": summary.get("steps_per_worker")
+        or [workers[r]["steps"] if r in workers else None for r in range(count)],
+        "bytes_sent_workers": by_role["worker"],
+        "bytes_sent_by_role": by_role,
+        "target_reached": None if target is None else reached,
+        # A snapshot reached the target, but the final model fell back below it.
+        "target_reached_then_lost": bool(reached and final is not None and target is not None and final < target),
+        # Per worker: seconds of forward + backward, and inside Strategy.step (train/timing.py).
+        "compute_seconds_per_worker": [workers[r].get("compute_seconds") if r in workers else None
+                                       for r in range(count)],
+        "step_seconds_per_worker": [workers[r].get("step_seconds") if r in workers else None
+                                    for r in range(count)],
+    }
 
 
 def _health(cfg: JobConfig, workers: dict[int, Any], ev: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
