@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -99,7 +100,9 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(g, "log-every", type=int, help="log a training event every N steps (default 10)")
     _flag(g, "seed", type=int, help="seed of data order and initial model (default 0)")
     g = parser.add_argument_group("output")
-    _flag(g, "out", help="run directory (default runs/<time>-<strategy>)")
+    _flag(g, "out", help="run directory (default runs/<time>-<strategy>); one that holds files is refused")
+    _flag(g, "overwrite", action="store_const", const=True,
+          help="write into an --out that holds files, replacing the earlier run's results")
     _flag(g, "save-model", action="store_const", const=True, help="write the final model's state_dict to DIR/model.pt")
     _flag(g, "json", action="store_const", const=True, help="print the summary as JSON on the last stdout line")
     _flag(g, "quiet", action="store_const", const=True, help="no progress display")
@@ -112,6 +115,7 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="plexus", description="Distributed training under every classic architecture.",
                      argument_default=argparse.SUPPRESS)
+    parser.add_argument("--version", action="version", version=f"plexus {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     train = sub.add_parser("train", help="train one job", argument_default=argparse.SUPPRESS)
     add_job_arguments(train)
@@ -136,6 +140,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    """The installed package's version (its metadata), else the source tree's."""
+    from importlib import metadata
+    try:
+        return metadata.version("plexus")
+    except metadata.PackageNotFoundError:
+        from plexus import __version__
+        return __version__
+
+
 def _import(module: str):
     import importlib
     return importlib.import_module(module)
@@ -152,6 +166,12 @@ def _load_toml(path: str) -> dict[str, Any]:
             return tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist: pass an existing --config FILE") from None
+    except IsADirectoryError:
+        raise ConfigError(f"--config {path} is a directory, not a TOML file: pass --config FILE, e.g. "
+                          f"--config {os.path.join(path, 'job.toml')}") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path} cannot be read ({exc.strerror}): pass a readable --config FILE") \
+            from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
 
@@ -170,64 +190,96 @@ def job_config(args: argparse.Namespace, extra: dict[str, Any] | None = None):
     sources.update({k: "flag" for k in flat})
     merged.update(extra or {})
     sources.update({k: "spec" for k in extra or {}})
+    if extra is not None:
+        # compare: a flag shared by every spec applies to the specs whose strategy reads
+        # it; the others leave it out (a spec's own key that does not apply is an error).
+        from plexus.config.applies import drop_inapplicable
+        drop_inapplicable(str(merged.get("strategy", "allreduce")), merged, sources)
     return JobConfig.from_flat(merged, sources)
 
 
 def _print_config(cfg) -> None:
-    """``--print-config``: every effective value and its source, by component."""
+    """``--print-config``: every effective value and its source, by component. Keys that
+    do not apply to the strategy (``config/applies.py``, the table that refuses them when
+    set) show ``n/a`` and the strategies they apply to."""
     import dataclasses
+    from plexus.config.applies import applies, applies_to
     settings = cfg.settings()
     width = max(map(len, settings))
+    strategy = cfg.strategy.strategy
     for comp in ("strategy", "optim", "cluster", "data", "model", "run"):
         print(f"[{comp}]")
         for f in dataclasses.fields(getattr(cfg, comp)):
             item = settings[f.name]
-            print(f"  {f.name:<{width}}  {json.dumps(item['value']):<24}  {item['source']}")
+            if applies(f.name, strategy):
+                print(f"  {f.name:<{width}}  {json.dumps(item['value']):<24}  {item['source']}")
+            else:
+                users = f"applies to {', '.join(applies_to(f.name))}"
+                if not item["source"].startswith("default"):  # the user set it: training refuses it
+                    users = f"{item['source']} {json.dumps(item['value'])}, refused: {users}"
+                print(f"  {f.name:<{width}}  {'n/a':<24}  {users}")
 
 
 class _Progress:
-    """A live line on the terminal (step, loss, test accuracy, samples/s, elapsed),
-    read from the run directory's metrics.jsonl."""
+    """Progress of a running job on stderr (``plexus.train.progress``): the start-up phase
+    (spawning, rendezvous, first step), then step, the job's samples/s (summed over
+    workers, as in summary.json), loss, test accuracy, elapsed and ETA.
 
-    def __init__(self) -> None:
-        from rich.console import Console
-        from rich.live import Live
-        self.console = Console(stderr=True)
-        self.live = Live(console=self.console, refresh_per_second=4, transient=False)
-        self.offset, self.state, self.started, self.last = 0, {}, time.monotonic(), 0.0
+    On a terminal it is one live line (rich). Elsewhere (a pipe, a log file, CI) it is plain
+    lines: one per start-up phase, then one every ``every`` seconds (5, or
+    ``PLEXUS_PROGRESS_EVERY``), so a long job is never silent."""
+
+    def __init__(self, live: bool, time_limit: float | None = None, every: float | None = None) -> None:
+        self.time_limit = time_limit
+        self.every = every if every is not None else float(os.environ.get("PLEXUS_PROGRESS_EVERY") or 5.0)
+        self.live = None
+        if live:
+            from rich.console import Console
+            from rich.live import Live
+            self.live = Live(console=Console(stderr=True), refresh_per_second=4, transient=False)
+        self.tail = None
+        self.started, self.last, self.printed, self.phase = time.monotonic(), 0.0, 0.0, None
 
     def __enter__(self) -> "_Progress":
-        self.live.__enter__()
+        if self.live is not None:
+            self.live.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        self.live.__exit__(*exc)
+        if self.live is not None:
+            self.live.__exit__(*exc)
 
-    def poll(self, run_dir: Path) -> None:
+    def poll(self, run_dir: Path, probe=None) -> None:
+        from plexus.train.progress import MetricsTail, describe
         now = time.monotonic()
-        if now - self.last < 0.25:
+        if now - self.last < 0.25:  # the launcher calls about 20 times a second
             return
         self.last = now
-        path = run_dir / "metrics.jsonl"
-        if path.exists():
-            with open(path, "rb") as f:
-                f.seek(self.offset)
-                chunk = f.read()
-            complete = chunk[: chunk.rfind(b"\n") + 1]
-            self.offset += len(complete)
-            for line in complete.splitlines():
-                event = json.loads(line)
-                if event["event"] == "train" and event.get("worker") == 0:
-                    self.state.update(step=event["step"], loss=event["loss"], samples=event["samples"],
-                                      time=event["time"])
-                elif event["event"] == "eval":
-                    self.state["acc"] = event["test_accuracy"]
-        s = self.state
-        rate = s["samples"] / s["time"] if s.get("time") else 0.0
-        acc = f"{100 * s['acc']:.2f}%" if "acc" in s else "–"
-        loss = f"{s['loss']:.4f}" if s.get("loss") is not None else "–"
-        self.live.update(f"step {s.get('step', 0)}  loss {loss}  test acc {acc}  "
-                         f"{rate:,.0f} samples/s  elapsed {now - self.started:.1f} s")
+        if self.tail is None or self.tail.run_dir != run_dir:
+            self.tail = MetricsTail(run_dir)
+        snap = self.tail.read()
+        elapsed = now - self.started
+        if not snap.seen:
+            phase = probe.phase() if probe is not None else None
+            if phase is None:
+                return
+            text = f"start-up: {phase}"
+            # Off a terminal: a line when the phase changes (not when only its count does),
+            # and every `every` seconds while it lasts.
+            if self.live is None and (phase.split(":")[0] == (self.phase or "").split(":")[0]
+                                      and now - self.printed < self.every):
+                return
+            self.phase = phase
+        else:
+            text = describe(snap, elapsed, probe.total() if probe is not None else None, self.time_limit)
+            if self.live is None and now - self.printed < self.every:
+                return
+        if self.live is not None:
+            self.live.update(f"{text}  [{elapsed:.1f} s]" if not snap.seen else text)
+        else:
+            self.printed = now
+            print(f"plexus: {text}" + (f"  [{elapsed:.1f} s]" if not snap.seen else ""), file=sys.stderr,
+                  flush=True)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -241,25 +293,48 @@ def _train(args: argparse.Namespace) -> int:
         if summary is not None:
             _print_summary(summary, cfg.run.out or "", cfg.run.json)
         return 0
-    show = not cfg.run.quiet and sys.stderr.isatty()
-    if show:
-        with _Progress() as progress:
-            run_dir, summary = run_local(cfg, poll=progress.poll)
-    else:
+    if cfg.run.quiet:
         run_dir, summary = run_local(cfg)
+    else:
+        # Progress everywhere: a live line on a terminal, plain lines in a pipe or a log.
+        with _Progress(live=sys.stderr.isatty(), time_limit=cfg.run.time_limit) as progress:
+            run_dir, summary = run_local(cfg, poll=progress.poll)
     _print_summary(summary, str(run_dir), cfg.run.json)
     return 0
 
 
-def _print_summary(summary: dict[str, Any], run_dir: str, as_json: bool) -> None:
-    acc = summary.get("final_test_accuracy")
-    ttt = summary.get("time_to_target_seconds")
-    line = (f"final test accuracy {100 * acc:.2f}%  loss {summary['final_test_loss']:.4f}  "
-            f"{summary['steps']} steps in {summary['wall_seconds']:.1f} s "
-            f"({summary['samples_per_second']:,.0f} samples/s)")
+def _summary_line(summary: dict[str, Any]) -> str:
+    """The final line, with the figures of ``plexus.train.metrics.FIGURES``: steps say whose
+    (global, or every worker's summed), samples/s is the job's (summed over workers), bytes
+    are MiB (2**20), and a target that was reached says so with the final accuracy when it
+    fell back below."""
+    acc, loss = summary.get("final_test_accuracy"), summary.get("final_test_loss")
+    ttt, target = summary.get("time_to_target_seconds"), summary.get("target_accuracy")
+    steps, per = summary.get("steps"), summary.get("steps_per_worker") or []
+    if summary.get("steps_kind") == "worker" and len(per) > 1:
+        each = sorted({p for p in per if p is not None})
+        span = "–" if not each else str(each[0]) if len(each) == 1 else f"{each[0]}-{each[-1]}"
+        steps_text = f"{steps} worker steps ({span} per worker)"
+    else:
+        steps_text = f"{steps} steps"
+    line = (f"final test accuracy {'–' if acc is None else f'{100 * acc:.2f}%'}  "
+            f"loss {'–' if loss is None else f'{loss:.4f}'}  {steps_text} in {summary['wall_seconds']:.1f} s "
+            f"({summary['samples_per_second'] or 0:,.0f} samples/s, all workers)")
+    sent = summary.get("bytes_sent_total")
+    if sent:
+        line += f"  {sent / 2**20:,.2f} MiB sent"
     if ttt is not None:
-        line += f"  target reached at {ttt:.1f} s"
-    print(line)
+        goal = f"target {100 * target:g}%" if target is not None else "target"
+        line += f"  {goal} reached at {ttt:.1f} s"
+        if target is not None and acc is not None and acc < target:
+            line += f" (final {100 * acc:.2f}%)"
+    elif target is not None:
+        line += f"  target {100 * target:g}% not reached"
+    return line
+
+
+def _print_summary(summary: dict[str, Any], run_dir: str, as_json: bool) -> None:
+    print(_summary_line(summary))
     if summary.get("health", "ok") != "ok":
         where = ""
         if summary.get("diverging_workers"):
@@ -301,51 +376,131 @@ def _slug(text: str) -> str:
 
 
 def _compare(args: argparse.Namespace) -> int:
+    """Run every spec on the same model, data and seed; one table, one report.
+
+    Every spec is built and validated (``plexus.train.job.validate``) before any trains, so
+    a bad one costs nothing. A spec that fails while training becomes a failed row with
+    its error and the others go on; the status is then 1.
+    """
+    from plexus.errors import ConfigError, PlexusError
     from plexus.report import write_report
-    from plexus.train.job import run_local
+    from plexus.train.job import run_local, validate
     base = job_config(args)
     root = Path(base.run.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}")
-    specs = [parse_spec(s) for s in args.specs]
-    # Build every config first so a bad spec fails before anything runs.
-    configs = [job_config(args, {**spec, "out": str(root / f"{i:02d}-{_slug(text)}")})
-               for i, (text, spec) in enumerate(zip(args.specs, specs))]
-    rows = []
-    for spec_text, cfg in zip(args.specs, configs):
-        print(f"== {spec_text}", file=sys.stderr)
-        run_dir, summary = run_local(cfg)
-        rows.append((spec_text, run_dir, summary))
-    html = write_report([r for _, r, _ in rows], root, title="plexus compare")
+    if base.run.out:  # the runs go into sub-directories of --out: refuse an earlier compare's
+        from plexus.train.preflight import check_run_dir
+        check_run_dir(root, base.run.overwrite)
+    configs = []
+    for i, text in enumerate(args.specs, 1):
+        try:
+            spec = parse_spec(text)
+            cfg = job_config(args, {**spec, "out": str(root / f"{i:02d}-{_slug(text)}")})
+            validate(cfg)
+        except ConfigError as exc:
+            raise ConfigError(f"compare spec {i} {text!r}: {exc} (nothing was trained)") from None
+        configs.append(cfg)
+    _shared_flags_apply(base, configs)
+    rows: list[tuple[str, Path, dict[str, Any], str | None]] = []
+    for i, (text, cfg) in enumerate(zip(args.specs, configs), 1):
+        print(f"== [{i}/{len(configs)}] {text}", file=sys.stderr)
+        try:
+            run_dir, summary = run_local(cfg)
+            rows.append((text, run_dir, summary, None))
+        except PlexusError as exc:
+            print(f"plexus: spec {text!r} failed: {exc}; going on with the others", file=sys.stderr)
+            rows.append((text, Path(cfg.run.out), {"status": "failed", "error": str(exc)}, str(exc)))
+        except KeyboardInterrupt:
+            print(f"plexus: interrupted during spec {text!r}; the table covers the runs that finished",
+                  file=sys.stderr)
+            rows.append((text, Path(cfg.run.out), {"status": "failed", "error": "interrupted"}, "interrupted"))
+            break
+    html = write_report([d for _, d, _, _ in rows], root, title="plexus compare",
+                        errors={d: err for _, d, _, err in rows if err is not None})
     _print_compare(rows)
     print(f"report: {html}")
     if base.run.json:
-        print(json.dumps([{**s, "spec": spec, "run_dir": str(d)} for spec, d, s in rows]))
+        print(json.dumps([{**s, "spec": spec, "run_dir": str(d)} for spec, d, s, _ in rows]))
+    failed = [spec for spec, _, _, err in rows if err is not None]
+    if failed:
+        print(f"plexus: {len(failed)} of {len(args.specs)} specs failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 
-def _print_compare(rows) -> None:
+def _shared_flags_apply(base, configs) -> None:
+    """A flag given to compare for every spec must apply to at least one of them (it is left
+    out of the specs whose strategy ignores it: ``job_config``), or it does nothing."""
+    from plexus.config.applies import APPLIES, applies, check_applies
+    from plexus.errors import ConfigError
+    strategies = sorted({c.strategy.strategy for c in configs})
+    for key in APPLIES:
+        if base.source(key) in ("flag", "file") and not any(applies(key, s) for s in strategies):
+            try:
+                check_applies(strategies[0], base.to_flat(), {key: base.source(key)})
+            except ConfigError as exc:
+                raise ConfigError(f"{exc} (no spec of this compare runs one: {', '.join(strategies)})") from None
+
+
+def _print_compare(rows: Sequence[tuple[str, Path, dict[str, Any], str | None]]) -> None:
+    """The comparison as a table ranked like the report, with labels that show every knob
+    that applies and differs. Off a terminal the table takes the width it needs, so no
+    label is ever cut; on one, long labels wrap."""
     from rich.console import Console
     from rich.table import Table
-    table = Table(title="plexus compare")
-    for col in ("spec", "test acc", "health", "wall s", "samples/s", "time to target s", "MB sent/worker"):
-        table.add_column(col, justify="right" if col not in ("spec", "health") else "left")
-    for spec, _, s in rows:
-        ttt = s.get("time_to_target_seconds")
+    from plexus.report import load_run, run_labels
+    from plexus.report.analysis import mib, rank
+    runs = [load_run(d, error=err) for _, d, _, err in rows]
+    labels = run_labels(runs)
+    ranked = {r.index: r for r in rank([r.summary for r in runs], [r.config for r in runs], [r.events for r in runs])}
+    target = next(iter(ranked.values())).target if ranked else None
+    # Off a terminal the title goes on its own line: rich centres it over the widest row.
+    table = Table(title="plexus compare" if sys.stdout.isatty() else None)
+    if not sys.stdout.isatty():
+        print("plexus compare")
+    heads = ("place", "#", "run", "spec", "health", "test acc", "wall s", "samples/s",
+             f"time to {target:.0%} s" if target is not None else "time to target s", "MiB sent/worker")
+    for col in heads:
+        left = col in ("run", "spec", "health")
+        table.add_column(col, justify="left" if left else "right", overflow="fold" if left else "ellipsis",
+                         no_wrap=not left)
+    for i in sorted(ranked, key=lambda k: ranked[k].place):
+        spec, _, s, err = rows[i]
+        r = ranked[i]
+        if err is not None:
+            health = "[bold red]FAILED[/]"
+        else:
+            health = s.get("health", "ok")
+            health = health if health == "ok" else f"[bold red]{health.upper()}[/]"
+        acc, own = s.get("final_test_accuracy"), s.get("worker0_test_accuracy")
+        acc_text = "–" if acc is None else f"{100 * acc:.2f}%"
+        if own is not None:
+            acc_text += f" / {100 * own:.2f}% w0"  # averaged model / worker 0's replica
+        ttt = r.time_to_target
+        ttt_text = "–" if ttt is None else f"{ttt:.2f}"
+        if ttt is not None and acc is not None and target is not None and acc < target:
+            ttt_text += f" (final {100 * acc:.2f}%)"
         # Lost workers have no byte count (None): average over those that reported.
-        per = [b for b in s["bytes_sent_per_worker"] if b is not None]
-        acc = s.get("final_test_accuracy")
-        health = s.get("health", "ok")
-        table.add_row(spec, "–" if acc is None else f"{100 * acc:.2f}%",
-                      health if health == "ok" else f"[bold red]{health.upper()}[/]", f"{s['wall_seconds']:.2f}",
-                      f"{s['samples_per_second']:,.0f}", "–" if ttt is None else f"{ttt:.2f}",
-                      f"{sum(per) / max(len(per), 1) / 1e6:.2f}")
-    Console().print(table)
+        per = [b for b in s.get("bytes_sent_per_worker") or [] if b is not None]
+        wall, rate = s.get("wall_seconds"), s.get("samples_per_second")
+        table.add_row(str(r.place), str(i + 1), labels[i], spec, health if err is None else f"{health} {err}",
+                      acc_text, "–" if wall is None else f"{wall:.2f}", "–" if rate is None else f"{rate:,.0f}",
+                      ttt_text, f"{mib(sum(per) / len(per)):.2f}" if per else "–")
+    # Off a terminal rich would fold the table into 80 columns; give it all it needs.
+    console = Console()
+    if not sys.stdout.isatty():
+        from rich.measure import Measurement
+        wide = Console(width=100_000)
+        console = Console(width=Measurement.get(wide, wide.options, table).maximum)
+    console.print(table)
+    for i in sorted(ranked, key=lambda k: ranked[k].place):
+        print(f"  {ranked[i].place}. #{i + 1} {labels[i]}: {ranked[i].why}")
 
 
 def _worker(args: argparse.Namespace) -> int:
     """``plexus worker --join HOST:PORT``: one more worker for a running ``ps`` job. It reads
     the job's configuration from the store, takes the next free rank, and trains as the
     job's workers do, from the current weights."""
-    from plexus.cluster.rendezvous import ProcessInfo, connect_store
+    from plexus.cluster.rendezvous import ProcessInfo, await_listener, connect_store
     from plexus.config import JobConfig
     from plexus.errors import ConfigError
     from plexus.strategies.downpour import DownpourStrategy
@@ -359,8 +514,18 @@ def _worker(args: argparse.Namespace) -> int:
     if not token:
         raise ConfigError("PLEXUS_TOKEN is not set: a worker that joins needs the job's token; export the "
                           "PLEXUS_TOKEN the job was started with")
+    # Nothing may wait past --timeout, nor print c10d's retries: check that a store listens.
+    await_listener(host, int(port), args.timeout, "start the ps job first, and pass the host and --port it was "
+                   "started with (e.g. plexus train --strategy ps --port 29500)")
     probe = ProcessInfo(role="worker", rank=-1, world_size=0, master_addr=host, master_port=int(port), token=token)
     store = connect_store(probe, args.timeout)
+    from plexus.train.job import JOB_KEY
+    if store.check([JOB_KEY]):  # written by the launcher of every job (plexus train)
+        job = json.loads(store.get(JOB_KEY).decode())
+        if job["strategy"] != "ps":
+            raise ConfigError(f"the job at {args.join} runs strategy {job['strategy']}, which admits no workers "
+                              f"after the start: joining works for --strategy ps jobs with --consistency asp, "
+                              f"ssp or softsync; start such a job to add workers to it")
     record = DownpourStrategy.job_record(store, args.timeout)
     cfg = JobConfig.from_dict(record["config"])
     rank = DownpourStrategy.admit(store, cfg)
@@ -374,8 +539,14 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
+    from plexus.errors import ConfigError
     from plexus.report import write_report
-    html = write_report(args.dirs, args.out)
+    try:
+        html = write_report(args.dirs, args.out)
+    except OSError as exc:  # an --out (or run directory) this user cannot write
+        where = exc.filename or args.out or args.dirs[0]
+        raise ConfigError(f"cannot write the report to {str(where)!r} ({exc.strerror or exc}): pass --out DIR "
+                          f"with a folder you can write") from None
     print(f"report: {html}")
     return 0
 
@@ -388,6 +559,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from plexus.errors import PlexusError
     parser = build_parser()
     args = parser.parse_args(argv)
+    # SIGTERM stops plexus as Ctrl-C does (the launcher handles both while a job runs,
+    # and writes its summary.json marked interrupted); not Python's silent death.
+    import signal
+    previous = signal.signal(signal.SIGTERM, _terminate) \
+        if threading.current_thread() is threading.main_thread() else None
     try:
         if args.command == "train":
             return _train(args)
@@ -405,10 +581,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"plexus: error: {exc}" if exc.exit_code == 2 else f"plexus: {exc}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
-        print("plexus: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        signum = signal.SIGTERM if isinstance(exc, _Terminated) else signal.SIGINT
+        print(f"plexus: interrupted by {signum.name}", file=sys.stderr)
+        return 128 + signum
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C would raise KeyboardInterrupt."""
+
+
+def _terminate(signum, frame) -> None:
+    raise _Terminated()
 
 
 if __name__ == "__main__":

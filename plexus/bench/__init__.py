@@ -14,6 +14,8 @@ _ALL = {
     "collectives": ("time and bandwidth of every all-reduce algorithm against native", "plexus.bench.collectives"),
     "ps": ("push-pull rate of the parameter server against torch.distributed.rpc", "plexus.bench.ps"),
     "defaults": ("accuracy of every strategy with its own defaults against allreduce", "plexus.bench.defaults"),
+    "startup": ("time to the first training step at 1, 2 and 4 workers against import torch",
+                "plexus.bench.startup"),
 }
 
 # name -> (one-line summary, module)

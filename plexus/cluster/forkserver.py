@@ -40,6 +40,9 @@ from typing import Callable
 __all__ = ["can_fork", "ForkServer", "ForkedChild"]
 
 _MAX_MESSAGE = 1 << 20
+# Seconds to wait for the fork server to start a child: the first waits for its warm-up
+# imports too, which took 8 s on a loaded machine here.
+_START_TIMEOUT = 120.0
 _PR_SET_PDEATHSIG = 1
 
 
@@ -80,16 +83,19 @@ class ForkedChild:
 
 class ForkServer:
     """Forks the fork server at construction; ``start(env)`` forks one child of it, which
-    runs ``entry()`` with ``env`` as its environment. ``close()`` ends the fork server."""
+    runs ``entry()`` with ``env`` as its environment. ``close()`` ends the fork server.
 
-    def __init__(self, entry: Callable[[], int | None]) -> None:
+    ``warm()``, if given, runs in the fork server before it forks any child: imports every
+    child would otherwise pay on its own, once for all (see ``plexus.train.process.warm``)."""
+
+    def __init__(self, entry: Callable[[], int | None], warm: Callable[[], None] | None = None) -> None:
         self.exits: dict[int, int] = {}
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         _flush_std()
         pid = os.fork()
         if pid == 0:  # the fork server: never returns
             ours.close()
-            _serve(theirs, entry, os.getppid())
+            _serve(theirs, entry, os.getppid(), warm)
         theirs.close()
         self.pid, self._sock, self._replies = pid, ours, []
 
@@ -102,9 +108,9 @@ class ForkServer:
         finally:
             os.close(write)
         while not self._replies:
-            if not self.collect(30.0):
+            if not self.collect(_START_TIMEOUT):
                 os.close(read)
-                raise OSError(f"the fork server (pid {self.pid}) did not start a child within 30 s")
+                raise OSError(f"the fork server (pid {self.pid}) did not start a child within {_START_TIMEOUT:g} s")
         return ForkedChild(self, self._replies.pop(0), os.fdopen(read, "rb"))
 
     def collect(self, timeout: float) -> bool:
@@ -159,12 +165,18 @@ def _die_with(parent: int) -> None:
         os._exit(1)
 
 
-def _serve(sock: socket.socket, entry: Callable[[], int | None], parent: int) -> None:
+def _serve(sock: socket.socket, entry: Callable[[], int | None], parent: int,
+           warm: Callable[[], None] | None = None) -> None:
     """The fork server's loop: fork a child per request, report every exit."""
     code = 0
     try:
-        gc.freeze()  # the launcher's objects are never collected here, nor in the children
         _die_with(parent)
+        if warm is not None:
+            try:
+                warm()
+            except Exception:  # noqa: BLE001 - only an optimisation: each child imports what it needs
+                traceback.print_exc()
+        gc.freeze()  # the launcher's objects are never collected here, nor in the children
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when to stop
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         live: set[int] = set()

@@ -24,8 +24,10 @@ from __future__ import annotations
 import functools
 import gzip
 import importlib
+import importlib.util
 import os
 import pickle
+import sys
 import sysconfig
 import tempfile
 import warnings
@@ -137,11 +139,22 @@ def load_dataset(cfg: DataConfig, seed: int = 0) -> Dataset:
 # helpers
 
 
+def _cwd_importable() -> None:
+    """Let ``--model mypkg.nets:make_model`` import from the current directory, as
+    ``python -m`` does: the ``plexus`` console script's sys.path starts at its own bin
+    folder, not here. Appended, so it never shadows an installed module; the launcher
+    passes sys.path on to its children (``job._python_path``)."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
+
+
 def _resolve_factory(spec: str, what: str) -> Callable[..., Any]:
     """Import ``pkg.module:attr`` and return the callable; ``what`` names the flag for errors."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr or ":" in attr:
         raise ConfigError(f"--{what} {spec!r} must look like 'pkg.module:function'")
+    _cwd_importable()
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # any failure while importing user code is a usage error
@@ -217,12 +230,28 @@ def _classification(name: str, x_train: np.ndarray, y_train: np.ndarray, x_test:
 # generated and shipped datasets
 
 
-def _digits(cfg: DataConfig, seed: int) -> Dataset:
-    from sklearn.datasets import load_digits  # ships with scikit-learn, nothing to fetch
+def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's digits as (pixels [1797, 64] float64, labels [1797] int64).
 
-    bunch = load_digits()
-    x = (np.asarray(bunch.data, dtype=np.float32) / 16.0).astype(np.float32)  # pixels are 0..16
-    y = np.asarray(bunch.target, dtype=np.int64)
+    Read straight from the CSV that ships with scikit-learn, as ``load_digits`` does, but
+    without importing sklearn: that import (scipy.stats and more) took 1.5 s on an idle
+    core and 14 s under load here, longer than ``import torch``, on the path to the first
+    step of every digits run. ``load_digits`` is the fallback should the file move."""
+    spec = importlib.util.find_spec("sklearn")  # locates the package without running it
+    csv = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz" if spec and spec.origin else None
+    if csv is None or not csv.is_file():
+        from sklearn.datasets import load_digits  # ships with scikit-learn, nothing to fetch
+        bunch = load_digits()
+        return np.asarray(bunch.data), np.asarray(bunch.target, dtype=np.int64)
+    with gzip.open(csv, "rt") as f:
+        table = np.loadtxt(f, delimiter=",")
+    return table[:, :-1], table[:, -1].astype(np.int64)
+
+
+def _digits(cfg: DataConfig, seed: int) -> Dataset:
+    pixels, labels = _digits_arrays()
+    x = (np.asarray(pixels, dtype=np.float32) / 16.0).astype(np.float32)  # pixels are 0..16
+    y = np.asarray(labels, dtype=np.int64)
     return _classification("digits", *_split(x, y, _rng(seed, 1), stratify=True), num_classes=10)
 
 
@@ -361,6 +390,9 @@ def _text(cfg: DataConfig, seed: int) -> Dataset:
     """
     if cfg.data_dir is not None:
         root = Path(cfg.data_dir)
+        if root.exists() and not root.is_dir():
+            raise ConfigError(f"--data-dir {str(root)!r} for dataset 'text' is a file, not a folder: pass "
+                              f"--data-dir DIR, the folder holding the text files")
         if not root.is_dir():
             raise ConfigError(f"text corpus folder {str(root)!r} does not exist or is not a folder: pass "
                               f"--data-dir DIR containing text files, or leave it out to use the Python "
@@ -406,6 +438,9 @@ def _require_dir(cfg: DataConfig, needs: str) -> Path:
         raise ConfigError(f"dataset {cfg.dataset!r} reads local files and nothing is downloaded: "
                           f"pass --data-dir DIR containing {needs}")
     root = Path(cfg.data_dir)
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"--data-dir {str(root)!r} for dataset {cfg.dataset!r} is a file, not a folder: "
+                          f"pass --data-dir DIR, the folder containing {needs}")
     if not root.is_dir():
         raise ConfigError(f"data folder {str(root)!r} for dataset {cfg.dataset!r} does not exist: "
                           f"pass --data-dir DIR containing {needs}")

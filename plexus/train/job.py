@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -19,13 +20,15 @@ from typing import Any, Callable
 import torch
 
 from plexus.cluster.launcher import RoleSpec, launch
-from plexus.cluster.rendezvous import ProcessInfo, connect_store, host_store, job_namespace, new_token
+from plexus.cluster.rendezvous import (ProcessInfo, connect_store, host_store, job_namespace, new_token,
+                                       store_set_json)
 from plexus.collectives import get_algorithm
 from plexus.config import JobConfig
-from plexus.errors import ConfigError, JobFailed
+from plexus.errors import ConfigError, JobFailed, JobInterrupted
 from plexus.strategies import strategy_class
 from plexus.train.data import load_dataset
 from plexus.train.models import build_model
+from plexus.train.progress import StartupProbe, oversubscription
 from plexus.train.runner import save_dataset, worker_main
 from plexus.train.summary import assemble_summary, collect_records, write_summary
 
@@ -36,7 +39,13 @@ logger = logging.getLogger(__name__)
 
 def validate(cfg: JobConfig):
     """Check names and the model/dataset fit before any process starts; returns the
-    loaded dataset so it is read once."""
+    loaded dataset so it is read once. Nothing the user asked for may silently do nothing
+    (``preflight.py``): an --out holding an earlier run, a flag the strategy ignores, a
+    --kill that cannot fire."""
+    from plexus.train import preflight
+    preflight.check_run_dir(cfg.run.out, cfg.run.overwrite)
+    preflight.check_applies(cfg)
+    preflight.check_roles(cfg)
     strategy_class(cfg.strategy.strategy).check_config(cfg)
     get_algorithm(cfg.strategy.algorithm, cfg.strategy)
     data = load_dataset(cfg.data, cfg.run.seed)
@@ -45,6 +54,7 @@ def validate(cfg: JobConfig):
     if cfg.run.batch_size > len(data.x_train):
         raise ConfigError(f"batch_size must not exceed the training set ({len(data.x_train)} samples), "
                           f"got {cfg.run.batch_size}: pass a smaller --batch-size")
+    preflight.check_schedule(cfg, len(data.x_train))
     return data
 
 
@@ -55,18 +65,38 @@ def warn_risks(cfg: JobConfig) -> None:
         logger.warning("plexus: warning: %s", line)
 
 
+# What a run writes into its directory; --overwrite removes these (and the plots, *.png)
+# from an earlier run there, and keeps any other file.
+RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "model.pt", "index.html")
+
+
 def prepare_run_dir(cfg: JobConfig) -> Path:
-    """Create the run directory (default ``runs/<time>-<strategy>``) and write config.json;
-    results of an earlier run in the same directory are removed."""
-    out = Path(cfg.run.out) if cfg.run.out else Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.strategy.strategy}"
+    """Create the run directory and write config.json. An --out that holds files is
+    refused unless --overwrite, which removes the earlier run's results (``RUN_FILES``
+    and plots). The default, ``runs/<time>-<strategy>``, gets a suffix (-2, -3...) if a
+    run of the same second has it."""
+    from plexus.train.preflight import check_run_dir
+    if cfg.run.out:
+        out = Path(cfg.run.out)
+        check_run_dir(out, cfg.run.overwrite)
+    else:
+        base = Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.strategy.strategy}"
+        out, n = base, 1
+        while out.exists():
+            n += 1
+            out = base.with_name(f"{base.name}-{n}")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"cannot create run directory {out}: {exc.strerror}: pass another --out") from None
-    for stale in ("metrics.jsonl", "summary.json", "model.pt"):
+    for stale in (*RUN_FILES, *(p.name for p in out.glob("*.png"))):
         (out / stale).unlink(missing_ok=True)
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     return out
+
+
+# The store key (in the job's namespace) of the job's strategy, for workers that join.
+JOB_KEY = "job/strategy"
 
 
 def _python_path() -> str:
@@ -75,16 +105,32 @@ def _python_path() -> str:
     return os.pathsep.join(dict.fromkeys(entries))
 
 
-def run_local(cfg: JobConfig, poll: Callable[[Path], None] | None = None, sink=None) -> tuple[Path, dict[str, Any]]:
+def run_local(cfg: JobConfig, poll: Callable[[Path, StartupProbe], None] | None = None, sink=None
+              ) -> tuple[Path, dict[str, Any]]:
     """Run the job on this machine; returns (run directory, summary).
 
-    Raises ConfigError before anything starts, JobFailed if a process fails.
+    ``poll(run_dir, probe)`` is called about twenty times a second while the job runs (the
+    progress display; ``probe`` reads the start-up phase from the job's store).
+
+    Raises ConfigError before anything starts, JobFailed if a process fails, and
+    JobInterrupted on SIGINT/SIGTERM (after writing summary.json marked ``interrupted``).
+    With ``--debug`` (logging at INFO) it logs the settings that are not dataclass
+    defaults and the seconds each phase took.
     """
+    phases = _Phases()
     data = validate(cfg)
+    phases.done("validate")
+    _log_settings(cfg)
     warn_risks(cfg)
+    crowded = oversubscription(cfg)
+    if crowded is not None:
+        logger.warning("plexus: warning: %s", crowded)
     run_dir = prepare_run_dir(cfg)
     token = os.environ.get("PLEXUS_TOKEN") or new_token()
     store = host_store(cfg.cluster.host, cfg.cluster.port, token, cfg.cluster.timeout)
+    # What a `plexus worker --join` asks first: whether this job can take one more worker.
+    store_set_json(_job_store(store, token), JOB_KEY, {"strategy": cfg.strategy.strategy,
+                                                       "consistency": cfg.strategy.consistency})
     cache = Path(tempfile.mkdtemp(prefix="plexus-data-"))
     try:
         save_dataset(data, cache)
@@ -95,7 +141,10 @@ def run_local(cfg: JobConfig, poll: Callable[[Path], None] | None = None, sink=N
                "PLEXUS_DEBUG": "1" if cfg.run.debug else ""}
         cls = strategy_class(cfg.strategy.strategy)
         roles = _roles(cfg)
+        probe = StartupProbe(_job_store(store, token), len(roles), cfg.cluster.workers)
         lost: dict[str, list[int]] = {}
+        signals: list[int] = []  # the launcher's own SIGINT/SIGTERM: the user stopped the job
+        phases.done("prepare")
 
         def on_exit(spec: RoleSpec, code: int) -> None:
             if code != 0:
@@ -105,13 +154,21 @@ def run_local(cfg: JobConfig, poll: Callable[[Path], None] | None = None, sink=N
         limit = None if cfg.run.time_limit is None else cfg.run.time_limit + 10 * cfg.cluster.timeout
         from plexus.train import process
         status = launch([sys.executable, "-m", "plexus.train.process"], roles, env=env, entry=process.main,
+                        warm=process.warm,
                         threads=cfg.cluster.threads,
                         may_fail=lambda spec, code: cls.tolerates_loss(cfg, spec.role, spec.rank),
-                        poll=(lambda: poll(run_dir)) if poll else None, sink=sink, time_limit=limit,
-                        on_exit=on_exit)
+                        poll=(lambda: poll(run_dir, probe)) if poll else None, sink=sink, time_limit=limit,
+                        on_exit=on_exit, signals=signals)
+        phases.done("processes")
     finally:
         shutil.rmtree(cache, ignore_errors=True)
     failed = None
+    if signals:
+        summary = _summarise_failure(cfg, run_dir, _job_store(store, token), lost, interrupted=signals[0])
+        name = signal.Signals(signals[0]).name
+        done = f" after {summary['steps']} steps" if summary and summary.get("steps") else ""
+        raise JobInterrupted(f"interrupted by {name}{done}; what was measured so far is in "
+                             f"{run_dir / 'summary.json'} (status interrupted)", signals[0])
     if status != 0:
         failed = JobFailed(f"the job failed (status {status}); see the messages above", exit_code=status)
     elif len(lost.get("worker", [])) == cfg.cluster.workers:
@@ -124,23 +181,101 @@ def run_local(cfg: JobConfig, poll: Callable[[Path], None] | None = None, sink=N
     summary["status"] = "completed"
     write_summary(run_dir, summary)
     _write_report(run_dir)
+    phases.done("summary")
+    phases.log(summary.get("wall_seconds"))
     return run_dir, summary
 
 
-def _summarise_failure(cfg: JobConfig, run_dir: Path, store, lost: dict[str, list[int]]) -> None:
-    """summary.json of a failed job, marked ``failed``, from the records that reached the
-    store; and its health hint, which often says why it failed. Best effort: it must never
-    hide the failure itself."""
-    try:
-        summary = assemble_summary(cfg, collect_records(cfg, store, lost), lost)
-    except Exception as exc:  # noqa: BLE001 - records of a failed job may be partial
-        logger.debug("plexus: no summary of the failed job: %s", exc)
+class _Phases:
+    """Seconds of each phase of run_local, logged at INFO (``--debug``)."""
+
+    def __init__(self) -> None:
+        self.last = self.start = time.monotonic()
+        self.seconds: dict[str, float] = {}
+
+    def done(self, name: str) -> None:
+        now = time.monotonic()
+        self.seconds[name], self.last = now - self.last, now
+
+    def log(self, training: float | None) -> None:
+        parts = dict(self.seconds)
+        if training is not None and "processes" in parts:
+            # The processes' phase is start-up (spawn, rendezvous, first batch) and training.
+            processes = parts.pop("processes")
+            parts = {**{k: v for k, v in parts.items() if k != "summary"}, "start-up": max(0.0, processes - training),
+                     "training": training, "summary": parts.get("summary", 0.0)}
+        logger.info("plexus: phases (s): %s; total %.2f", ", ".join(f"{k} {v:.2f}" for k, v in parts.items()),
+                    time.monotonic() - self.start)
+
+
+def _log_settings(cfg: JobConfig) -> None:
+    """``--debug``: the effective values that are not dataclass defaults, with their sources."""
+    if not logger.isEnabledFor(logging.INFO):
         return
-    summary["status"] = "failed"
+    changed = {k: v for k, v in cfg.settings().items() if v["source"] != "default"}
+    logger.info("plexus: settings: %s", ", ".join(f"{k}={json.dumps(v['value'])} ({v['source']})"
+                                                  for k, v in changed.items()))
+
+
+def _summarise_failure(cfg: JobConfig, run_dir: Path, store, lost: dict[str, list[int]],
+                       interrupted: int | None = None) -> dict[str, Any] | None:
+    """summary.json of a job that did not finish, from the records that reached the store;
+    returns it (None when there is none). Best effort: it must never hide the failure itself.
+
+    A failed job's summary is marked ``failed``, and its health hint often says why. A job
+    stopped by signal ``interrupted`` (Ctrl-C, SIGTERM) is marked ``interrupted``: its
+    workers left no final record, so each one's figures are those of its last ``train``
+    event in metrics.jsonl, and the test accuracy that of the last snapshot evaluated
+    (``measured_from``). Workers that were stopped are not lost (``lost_workers`` keeps
+    only those that died before the signal)."""
+    try:
+        records = collect_records(cfg, store, lost)
+        if interrupted is not None:
+            _records_from_events(cfg, run_dir, records)
+        summary = assemble_summary(cfg, records, lost)
+    except Exception as exc:  # noqa: BLE001 - records of a failed job may be partial
+        logger.debug("plexus: no summary of the unfinished job: %s", exc)
+        return None
+    if interrupted is not None:
+        summary["status"] = "interrupted"
+        summary["interrupted_by"] = signal.Signals(interrupted).name
+        summary["measured_from"] = "the last train event of each worker and the last snapshot evaluated"
+        summary["lost_workers"] = sorted(lost.get("worker", []))
+    else:
+        summary["status"] = "failed"
     write_summary(run_dir, summary)
-    if summary.get("health", "ok") != "ok":
+    if interrupted is None and summary.get("health", "ok") != "ok":
         logger.warning("plexus: training %s (detected at step %s): %s", summary["health"], summary["health_step"],
                        summary["health_hint"])
+    return summary
+
+
+# Fields of a train event that are not a worker's final-record fields of the same name.
+_EVENT_ONLY = ("event", "time", "worker", "step", "samples", "worker_samples")
+
+
+def _records_from_events(cfg: JobConfig, run_dir: Path, records: dict[str, Any]) -> None:
+    """Fill in, from metrics.jsonl, the final records an interrupted job's processes never
+    wrote: each worker's last train event, and the last evaluation of the global model."""
+    from plexus.train.metrics import read_events
+    last: dict[int, dict[str, Any]] = {}
+    evals: list[dict[str, Any]] = []
+    for event in read_events(run_dir):
+        if event.get("event") == "train":
+            last[int(event["worker"])] = event
+        elif event.get("event") == "eval" and event.get("model", "global") == "global":
+            evals.append(event)
+    for rank, event in last.items():
+        if rank not in records["worker"]:
+            records["worker"][rank] = {**{k: v for k, v in event.items() if k not in _EVENT_ONLY},
+                                       "steps": event["step"], "wall_seconds": event["time"], "slept": None}
+    if not records["eval"] and evals:
+        records["eval"] = {"final_test_accuracy": evals[-1]["test_accuracy"],
+                           "final_test_loss": evals[-1]["test_loss"], "evaluations": len(evals)}
+    if not records["target"] and cfg.run.target_accuracy is not None:
+        hit = next((e["time"] for e in evals if e["test_accuracy"] >= cfg.run.target_accuracy), None)
+        if hit is not None:
+            records["target"] = {"time": hit}
 
 
 def _roles(cfg: JobConfig) -> list[RoleSpec]:
@@ -182,6 +317,8 @@ def run_torchrun(cfg: JobConfig) -> dict[str, Any] | None:
     info = ProcessInfo.from_env()
     if info.world_size != cfg.cluster.workers:
         cfg = cfg.replace(workers=info.world_size)
+    from plexus.train.preflight import check_applies
+    check_applies(cfg)
     if strategy_class(cfg.strategy.strategy).extra_roles(cfg):
         raise ConfigError(f"strategy {cfg.strategy.strategy} needs roles besides workers; under torchrun "
                           f"only workers start: use the local launcher (plexus train) on one machine")

@@ -22,11 +22,13 @@ def main() -> int:
     from plexus.config import JobConfig
     from plexus.errors import PlexusError
     from plexus.train.runner import load_saved_dataset, role_main, worker_main
+    from plexus.train.progress import JOINED_KEY
 
     info = ProcessInfo.from_env()
     try:
         cfg = JobConfig.from_dict(json.loads(Path(os.environ["PLEXUS_CONFIG"]).read_text()))
         store = connect_store(info, cfg.cluster.timeout)
+        store.add(JOINED_KEY, 1)  # start-up progress: this process is up (train/progress.py)
         run_dir = Path(os.environ["PLEXUS_RUN_DIR"]) if os.environ.get("PLEXUS_RUN_DIR") else None
         if info.role == "worker":
             data = load_saved_dataset(Path(os.environ["PLEXUS_DATA"])) if os.environ.get("PLEXUS_DATA") else None
@@ -42,5 +44,41 @@ def main() -> int:
     return 0
 
 
+def warm() -> None:
+    """Imports that every child pays, done once in the fork server before it forks them.
+
+    ``torch._dynamo`` above all: torch.optim imports it on an optimizer's first
+    ``add_param_group`` and ``step`` (``torch._disable_dynamo``), and it costs as much as
+    ``import torch`` itself (1.8 s of CPU here, with sympy). Paid in each of 4 children at
+    once on 2 cores, it was most of a 4-worker allreduce job's time to its first step."""
+    import torch._dynamo  # noqa: F401
+    import plexus.strategies  # noqa: F401
+    import plexus.train.runner  # noqa: F401
+
+
+def _run_and_exit() -> None:
+    """``python -m plexus.train.process``: run ``main`` and leave with ``os._exit``, as a
+    forked child does (``cluster/forkserver.py``). A normal interpreter exit runs C++
+    static destructors while gloo and TCPStore threads may still be alive (a SIGTERM from
+    the launcher arrives at any time), and a joinable ``std::thread`` destroyed that way
+    aborts the process with "terminate called without an active exception"."""
+    code = 1
+    try:
+        code = main()
+    except SystemExit as exc:  # SIGTERM (child.py) or an explicit exit
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001 - report, then leave the same way
+        import traceback
+        traceback.print_exc()
+    finally:
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _run_and_exit()

@@ -29,6 +29,8 @@ from plexus.train.health import Health, hint
 from plexus.train.evaluation import Evaluation, SnapshotEvaluator, evaluate, loss_fn
 from plexus.train.metrics import MetricsLog
 from plexus.train.models import build_model
+from plexus.train.progress import STEPS_KEY
+from plexus.train.timing import StepTimer
 
 __all__ = ["worker_main", "role_main", "NonFiniteLoss", "save_dataset", "load_saved_dataset", "resolve_device",
            "total_steps"]
@@ -110,7 +112,8 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
     log = MetricsLog(run_dir)
     ctx = Context(info=info, store=store, cfg=cfg, traffic=traffic, emulator=emulator, device=device,
                   backend=backend, log=log)
-    strategy.setup(model, loss_fn, ctx)
+    timer = StepTimer()  # compute vs communication and waiting, for the report's time line
+    strategy.setup(model, timer.wrap(loss_fn), ctx)
     workers, rank = info.world_size, info.rank
     share = cfg.run.batch_size // workers
     if strategy.synchronous:
@@ -119,6 +122,8 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
         batches = PartitionBatches(len(data.x_train), share, cfg.run.seed, rank, workers)
     limit = total_steps(cfg, batches.steps_per_epoch)
 
+    if rank == 0:
+        store.set(STEPS_KEY, str(limit))  # for the progress display (train/progress.py)
     # The training clock starts when every worker is ready; worker 0's start is everyone's.
     store_barrier(store, "train/ready", workers, cfg.cluster.timeout)
     if rank == 0:
@@ -159,7 +164,8 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
             emulator.at_step(step)
             idx = batches.worker_indices(step, rank, workers) if strategy.synchronous else batches.indices(step)
             x, y = data.x_train[idx].to(device, non_blocking=True), data.y_train[idx].to(device, non_blocking=True)
-            stats = strategy.step(x, y)
+            with timer.stepping():
+                stats = strategy.step(x, y)
             loss = stats.loss
             steps_done = step + 1
             if budget is not None and not budget.take():
@@ -189,12 +195,16 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
                                    steps_done, loss, why)
                 log.log("health", time=clock(), worker=rank, step=steps_done, state=changed, loss=loss, hint=why)
             samples = steps_done * samples_per_step
+            job_samples = samples  # what the whole job has consumed, as this worker knows it
             if shared_samples and (steps_done % cfg.run.log_every == 0 or steps_done == limit):
-                store.add(_SAMPLES_KEY, samples - reported)
+                job_samples = store.add(_SAMPLES_KEY, samples - reported)
                 reported = samples
             if steps_done % cfg.run.log_every == 0 or steps_done == limit:
-                log.log("train", time=clock(), worker=rank, step=steps_done, loss=loss, samples=samples,
-                        bytes_sent=traffic.bytes_sent, bytes_recv=traffic.bytes_recv, staleness=stats.staleness)
+                # samples: the job's total (metrics.py), so that job throughput is its slope
+                # whatever the strategy; worker_samples: this worker's own share of it.
+                log.log("train", time=clock(), worker=rank, step=steps_done, loss=loss, samples=job_samples,
+                        worker_samples=samples, bytes_sent=traffic.bytes_sent, bytes_recv=traffic.bytes_recv,
+                        staleness=stats.staleness, **timer.fields())
             if cfg.run.eval_every and steps_done % cfg.run.eval_every == 0:
                 if evaluator is None and holder is not None and strategy.evaluates(rank):
                     logger.warning("worker %d: the workers below it are lost; it evaluates from step %d on",
@@ -252,7 +262,7 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
             "steps": steps_done, "wall_seconds": wall, "bytes_sent": traffic.bytes_sent,
             "bytes_recv": traffic.bytes_recv, "traffic": traffic.snapshot(), "loss": loss,
             "slept": emulator.slept, "diverging": health.state == "diverging",
-            "health": health.state, "health_step": health.step,
+            "health": health.state, "health_step": health.step, **timer.fields(),
             "update_budget": budget.total if budget is not None else None, **strategy.final_record()})
         if strategy.synchronous and not strategy.tolerates_loss(cfg, "worker", rank):
             # Nobody may tear down the group while others still use it (a strategy that
