@@ -16,7 +16,7 @@ $(STAMP): $(PY) pyproject.toml constraints.txt
 
 demo: $(STAMP)
 	MPLCONFIGDIR=$${MPLCONFIGDIR:-/tmp/plexus-mpl} $(VENV)/bin/plexus train --strategy allreduce --algorithm ring --workers 4 \
-		--dataset digits --model mlp --steps 300 --out runs/demo
+		--dataset digits --model mlp --steps 300 --out runs/demo --overwrite
 
 test: $(STAMP)
 	MPLCONFIGDIR=$${MPLCONFIGDIR:-/tmp/plexus-mpl} $(PY) -m pytest -q -p no:cacheprovider tests
