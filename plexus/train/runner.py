@@ -152,7 +152,23 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
     # Asynchronous workers count the samples of the whole job together in the store (at
     # every log step), so that worker 0's evaluations say how much the job has seen.
     shared_samples, reported = not strategy.synchronous and workers > 1, 0
-    health = Health(total_steps=limit, classes=data.num_classes if data.task == "classification" else None)
+    classes = data.num_classes if data.task == "classification" else None
+    health = Health(total_steps=limit, classes=classes)
+    settings, asynchronous = cfg.settings(), is_asynchronous(cfg.to_flat())
+
+    def health_event(state: str, loss: float) -> str | None:
+        """Log a change of health in metrics.jsonl; returns its hint (None for ok)."""
+        why = None if state == "ok" else hint(state, settings, asynchronous)
+        log.log("health", time=clock(), worker=rank, step=steps_done, state=state, loss=loss, hint=why)
+        return why
+
+    def record(wall: float, loss: float | None) -> dict:
+        """This worker's final record, as the summary reads it (summary.py)."""
+        return {"steps": steps_done, "wall_seconds": wall, "bytes_sent": traffic.bytes_sent,
+                "bytes_recv": traffic.bytes_recv, "traffic": traffic.snapshot(), "loss": loss,
+                "slept": emulator.slept, "diverging": health.state == "diverging", "health": health.state,
+                "health_step": health.step, **timer.fields()}
+
     try:
         # Asynchronous strategies may stop on one budget of updates shared by the workers
         # (train/budget.py; Lian et al. 2018): each update is claimed before it is made, and
@@ -174,26 +190,20 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
                 # The end of training on this worker; it still leaves a record saying so,
                 # so the summary written after the job fails has its health and step.
                 health.diverged(steps_done)
-                why = hint("diverging", cfg.settings(), is_asynchronous(cfg.to_flat()))
-                log.log("health", time=clock(), worker=rank, step=steps_done, state="diverging", loss=loss, hint=why)
-                store_set_json(store, f"stats/worker/{rank}", {
-                    "steps": steps_done, "wall_seconds": clock(), "bytes_sent": traffic.bytes_sent,
-                    "bytes_recv": traffic.bytes_recv, "traffic": traffic.snapshot(), "loss": None,
-                    "slept": emulator.slept, "diverging": True, "health": "diverging", "health_step": steps_done,
-                    "non_finite_loss": True})
+                why = health_event("diverging", loss)
+                store_set_json(store, f"stats/worker/{rank}", {**record(clock(), None), "non_finite_loss": True})
                 raise NonFiniteLoss(f"worker {rank}: the training loss became {loss} at step {step}: {why}")
             changed = health.observe(steps_done, loss)
             if changed is not None:
                 # Async training diverges without NaNs, or stalls at chance; say so while it
                 # happens, not after.
-                why = None if changed == "ok" else hint(changed, cfg.settings(), is_asynchronous(cfg.to_flat()))
+                why = health_event(changed, loss)
                 if why is None:
                     logger.warning("worker %d: training is learning again at step %d (loss %.4g)", rank, steps_done,
                                    loss)
                 else:
                     logger.warning("worker %d: training is %s at step %d (loss %.4g): %s", rank, changed,
                                    steps_done, loss, why)
-                log.log("health", time=clock(), worker=rank, step=steps_done, state=changed, loss=loss, hint=why)
             samples = steps_done * samples_per_step
             job_samples = samples  # what the whole job has consumed, as this worker knows it
             if shared_samples and (steps_done % cfg.run.log_every == 0 or steps_done == limit):
@@ -257,13 +267,10 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
                 "wall_seconds": wall, "time_to_target": evaluator.time_to_target,
                 "evaluations": len(evaluator.results), "skipped": evaluator.skipped,
                 "replica_test_accuracy": replica_acc, "replica_test_loss": replica_loss,
-                "chance_accuracy": 1 / data.num_classes if data.task == "classification" else None})
+                "chance_accuracy": 1 / classes if classes else None})
         store_set_json(store, f"stats/worker/{rank}", {
-            "steps": steps_done, "wall_seconds": wall, "bytes_sent": traffic.bytes_sent,
-            "bytes_recv": traffic.bytes_recv, "traffic": traffic.snapshot(), "loss": loss,
-            "slept": emulator.slept, "diverging": health.state == "diverging",
-            "health": health.state, "health_step": health.step, **timer.fields(),
-            "update_budget": budget.total if budget is not None else None, **strategy.final_record()})
+            **record(wall, loss), "update_budget": budget.total if budget is not None else None,
+            **strategy.final_record()})
         if strategy.synchronous and not strategy.tolerates_loss(cfg, "worker", rank):
             # Nobody may tear down the group while others still use it (a strategy that
             # outlives lost workers has no such group, and its survivors cannot wait for all).
