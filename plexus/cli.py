@@ -41,7 +41,7 @@ def _flag(group, name: str, **kw) -> None:
 def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     """The job flags shared by train and compare; each maps to one config field."""
     g = parser.add_argument_group("strategy")
-    _flag(g, "strategy", help="allreduce, ps, tree-ps, gossip, local-sgd, easgd")
+    _flag(g, "strategy", help="allreduce, ps, tree-ps, gossip, local-sgd, easgd, sandblaster")
     _flag(g, "algorithm", help="all-reduce algorithm: native, ring, ...")
     _flag(g, "bucket-mb", type=float, help="gradient bucket size in MiB (default 25)")
     _flag(g, "local-size", type=int, help="ranks per group for the hier algorithm")
@@ -54,6 +54,15 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(g, "staleness-lr", action="store_const", const=True, help="divide each push's lr by its staleness")
     _flag(g, "fanout", type=int, help="children per aggregator in tree-ps (default 2)")
     _flag(g, "variant", choices=["base", "adv", "adv-star"], help="tree-ps variant (default adv)")
+    _flag(g, "assignment", choices=["static", "dynamic"],
+          help="ps data: static partitions, or dynamic units taken when idle (default static)")
+    _flag(g, "backup-workers", type=int, help="bsp: b of the --workers processes are backups; each step uses the first workers - b gradients")
+    g = parser.add_argument_group("Sandblaster L-BFGS (sandblaster)")
+    _flag(g, "history", type=int, help="L-BFGS history m (default 10)")
+    _flag(g, "lbfgs", choices=["two-loop", "vector-free"], help="direction recursion (default two-loop)")
+    _flag(g, "line-search", choices=["armijo", "strong_wolfe", "none"], help="line search (default armijo)")
+    _flag(g, "unit-size", type=int, help="samples per work unit (default batch / (8 x workers))")
+    _flag(g, "backup-after", type=float, help="back up outstanding units once this fraction is left (default 0.1)")
     g = parser.add_argument_group("decentralized and model averaging (gossip, local-sgd, easgd)")
     _flag(g, "topology", choices=["ring", "torus", "exp", "complete"], help="gossip graph (default ring)")
     _flag(g, "mixing", choices=["uniform", "metropolis"], help="gossip mixing weights (default uniform)")
@@ -86,6 +95,7 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(g, "num-samples", type=int, help="samples to generate for generated datasets")
     _flag(g, "model", help="mlp, cnn, lm, logreg or pkg.module:factory")
     _flag(g, "hidden", type=int, help="hidden width (default 128)")
+    _flag(g, "dtype", choices=["float32", "float64"], help="parameter and input type (default float32)")
     g = parser.add_argument_group("optimisation")
     _flag(g, "optimizer", choices=["sgd", "adam", "adagrad"], help="optimizer (default sgd)")
     _flag(g, "lr", type=float, help="learning rate (default 0.1)")
@@ -497,13 +507,15 @@ def _print_compare(rows: Sequence[tuple[str, Path, dict[str, Any], str | None]])
 
 
 def _worker(args: argparse.Namespace) -> int:
-    """``plexus worker --join HOST:PORT``: one more worker for a running ``ps`` job. It reads
+    """``plexus worker --join HOST:PORT``: one more worker for a running ``ps`` or
+    ``sandblaster`` job. It reads
     the job's configuration from the store, takes the next free rank, and trains as the
     job's workers do, from the current weights."""
     from plexus.cluster.rendezvous import ProcessInfo, await_listener, connect_store
     from plexus.config import JobConfig
     from plexus.errors import ConfigError
     from plexus.strategies.downpour import DownpourStrategy
+    from plexus.strategies.sandblaster import SandblasterStrategy
     from plexus.train.data import load_dataset
     from plexus.train.runner import worker_main
     host, _, port = args.join.rpartition(":")
@@ -520,15 +532,18 @@ def _worker(args: argparse.Namespace) -> int:
     probe = ProcessInfo(role="worker", rank=-1, world_size=0, master_addr=host, master_port=int(port), token=token)
     store = connect_store(probe, args.timeout)
     from plexus.train.job import JOB_KEY
+    joinable = {"ps": DownpourStrategy, "sandblaster": SandblasterStrategy}
+    strategy = DownpourStrategy
     if store.check([JOB_KEY]):  # written by the launcher of every job (plexus train)
         job = json.loads(store.get(JOB_KEY).decode())
-        if job["strategy"] != "ps":
+        if job["strategy"] not in joinable:
             raise ConfigError(f"the job at {args.join} runs strategy {job['strategy']}, which admits no workers "
                               f"after the start: joining works for --strategy ps jobs with --consistency asp, "
-                              f"ssp or softsync; start such a job to add workers to it")
-    record = DownpourStrategy.job_record(store, args.timeout)
+                              f"ssp or softsync, and for sandblaster; start such a job to add workers to it")
+        strategy = joinable[job["strategy"]]
+    record = strategy.job_record(store, args.timeout)
     cfg = JobConfig.from_dict(record["config"])
-    rank = DownpourStrategy.admit(store, cfg)
+    rank = strategy.admit(store, cfg)
     info = ProcessInfo(role="worker", rank=rank, world_size=cfg.cluster.workers, master_addr=host,
                        master_port=int(port), token=token)
     run_dir = Path(record["run_dir"]) if record["run_dir"] and Path(record["run_dir"]).is_dir() else None

@@ -69,10 +69,14 @@ class ModelConfig:
     model: str = "mlp"
     # Width of hidden layers (units for mlp, channels for cnn, embedding size for lm).
     hidden: int = 128
+    # Floating-point type of the parameters and inputs (float64 for the exact oracles).
+    dtype: Literal["float32", "float64"] = "float32"
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "model", "must be named", self.model, "pass --model NAME")
         _require(self.hidden >= 1, "hidden", "must be at least 1", self.hidden, "pass --hidden 1 or more")
+        _require(self.dtype in ("float32", "float64"), "dtype", "must be float32 or float64", self.dtype,
+                 "pass --dtype float32")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -237,7 +241,8 @@ class ClusterConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class StrategyConfig:
-    # The distributed architecture: allreduce, ps, tree-ps, gossip, local-sgd, easgd.
+    # The distributed architecture: allreduce, ps, tree-ps, gossip, local-sgd, easgd,
+    # sandblaster.
     strategy: str = "allreduce"
     # The all-reduce algorithm, for strategies that average tensors.
     algorithm: str = "native"
@@ -287,6 +292,30 @@ class StrategyConfig:
     # EASGD moving rate alpha = lr * rho: the elastic force's weight per pull.
     elastic_alpha: float = 0.1
 
+    # --- scheduler (ps) ---
+    # static: each asynchronous worker walks its own partition of the data; dynamic: every
+    # worker takes the job's next unit of data when it is idle, so a slow worker trains on
+    # fewer samples (Dean et al. 2012, section 4.2).
+    assignment: Literal["static", "dynamic"] = "static"
+    # bsp: b of the `workers` processes are backups: each step averages the first
+    # workers - b gradients to arrive, late ones dropped (Chen et al. 2016).
+    backup_workers: int = 0
+
+    # --- Sandblaster L-BFGS (sandblaster) ---
+    # L-BFGS history m: the (s, y) pairs kept on the server shards.
+    history: int = 10
+    # The direction's recursion: two-loop (2m + O(1) round trips to the shards per
+    # iteration) or vector-free (Chen, Wang and Zhou 2014: one Gram matrix, O(1)).
+    lbfgs: Literal["two-loop", "vector-free"] = "two-loop"
+    # Line search: backtracking Armijo, strong_wolfe (as torch.optim.LBFGS), or none (the
+    # fixed step lr, as torch.optim.LBFGS without line_search_fn).
+    line_search: Literal["armijo", "strong_wolfe", "none"] = "armijo"
+    # Samples per work unit; 0 picks batch_size / (8 x workers), at least 1.
+    unit_size: int = 0
+    # Backup copies of outstanding units go to idle replicas once at most this fraction
+    # of the batch's units is outstanding (0 turns backup tasks off).
+    backup_after: float = 0.1
+
     def __post_init__(self) -> None:
         _require(self.bucket_mb > 0, "bucket_mb", "must be positive MiB", self.bucket_mb, "pass --bucket-mb 25")
         _require(self.local_size >= 0, "local_size", "must be non-negative", self.local_size, "pass --local-size 2")
@@ -310,6 +339,20 @@ class StrategyConfig:
                  "pass --warmup-steps 0")
         _require(0 < self.elastic_alpha <= 1, "elastic_alpha", "must lie in (0, 1]", self.elastic_alpha,
                  "pass --elastic-alpha 0.1")
+        _require(self.assignment in ("static", "dynamic"), "assignment", "must be static or dynamic",
+                 self.assignment, "pass --assignment dynamic")
+        _require(self.backup_workers >= 0, "backup_workers", "must be non-negative", self.backup_workers,
+                 "pass --backup-workers 1")
+        _require(self.history >= 1, "history", "must be at least 1 (s, y) pair", self.history,
+                 "pass --history 10")
+        _require(self.lbfgs in ("two-loop", "vector-free"), "lbfgs", "must be two-loop or vector-free", self.lbfgs,
+                 "pass --lbfgs two-loop")
+        _require(self.line_search in ("armijo", "strong_wolfe", "none"), "line_search",
+                 "must be armijo, strong_wolfe or none", self.line_search, "pass --line-search armijo")
+        _require(self.unit_size >= 0, "unit_size", "must be non-negative samples", self.unit_size,
+                 "pass --unit-size 32 (0 picks one)")
+        _require(0 <= self.backup_after < 1, "backup_after", "must lie in [0, 1)", self.backup_after,
+                 "pass --backup-after 0.1 (0 turns backup tasks off)")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -385,8 +428,10 @@ class JobConfig:
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
-        # Contract 1: each worker takes an equal contiguous slice of the global batch.
-        _require(self.run.batch_size % self.cluster.workers == 0, "batch_size",
+        # Contract 1: each worker takes an equal contiguous slice of the global batch
+        # (sandblaster's replicas take units of it instead, as many as they can).
+        _require(self.strategy.strategy == "sandblaster" or self.run.batch_size % self.cluster.workers == 0,
+                 "batch_size",
                  f"must be divisible by workers ({self.cluster.workers})", self.run.batch_size,
                  "each worker takes an equal slice of the global batch; pick a multiple of --workers")
 

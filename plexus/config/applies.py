@@ -21,9 +21,11 @@ __all__ = ["STRATEGY_NAMES", "APPLIES", "applies", "applies_to", "strategy_keys"
 
 # Every strategy, in the order the README's table lists them (``plexus.strategies.STRATEGIES``
 # must hold the same names: tested).
-STRATEGY_NAMES = ("allreduce", "ps", "tree-ps", "gossip", "local-sgd", "easgd")
+STRATEGY_NAMES = ("allreduce", "ps", "tree-ps", "gossip", "local-sgd", "easgd", "sandblaster")
 
 _PS = ("ps", "tree-ps")
+# Strategies that train with a first-order optimizer (sandblaster runs L-BFGS).
+_SGD = tuple(name for name in STRATEGY_NAMES if name != "sandblaster")
 
 APPLIES: dict[str, tuple[str, ...]] = {
     # the all-reduce algorithm: allreduce averages gradients with it, local-sgd parameters
@@ -31,14 +33,15 @@ APPLIES: dict[str, tuple[str, ...]] = {
     "bucket_mb": ("allreduce",),  # gradient buckets overlap backward (collectives/bucketing.py)
     "local_size": ("allreduce", "local-sgd"),  # the hier algorithm's group size
     # parameter servers (ps/server.py, shared by ps and tree-ps's root)
-    "servers": _PS,  # easgd's centre is always one server process
+    "servers": (*_PS, "sandblaster"),  # easgd's centre is always one server process
     "consistency": _PS,
     "staleness": ("ps",),  # tree-ps speaks n-softsync, not ssp
     "softsync": _PS,
     "fetch_every": _PS,
     "push_every": _PS,
     "staleness_lr": _PS,
-    "peer_timeout": _PS,  # heartbeats of ps workers and tree-ps aggregators (ps/heartbeat.py)
+    # heartbeats of ps workers, tree-ps aggregators (ps/heartbeat.py) and sandblaster replicas
+    "peer_timeout": (*_PS, "sandblaster"),
     "fanout": ("tree-ps",),
     "variant": ("tree-ps",),
     # decentralized
@@ -52,6 +55,20 @@ APPLIES: dict[str, tuple[str, ...]] = {
     "average_optimizer_state": ("local-sgd",),
     "warmup_steps": ("local-sgd",),
     "elastic_alpha": ("easgd",),
+    # the scheduler under ps (train/batches.py, ps/server.py)
+    "assignment": ("ps",),
+    "backup_workers": ("ps",),
+    # Sandblaster L-BFGS (sandblaster/)
+    "history": ("sandblaster",),
+    "lbfgs": ("sandblaster",),
+    "line_search": ("sandblaster",),
+    "unit_size": ("sandblaster",),
+    "backup_after": ("sandblaster",),
+    "dtype": ("sandblaster",),  # float64 for the L-BFGS oracle; the other strategies train in float32
+    # first-order optimisation: sandblaster's step comes from L-BFGS and its line search
+    # (its weight decay is the objective's L2 term)
+    "optimizer": _SGD,
+    "momentum": _SGD,
 }
 
 _USER = ("flag", "file", "spec", "api")

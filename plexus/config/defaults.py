@@ -75,6 +75,13 @@ def _optimizer_is(name: str) -> Callable[[Mapping[str, Any]], bool]:
 
 
 TABLE: tuple[Rule, ...] = (
+    Rule(label=lambda flat: "sandblaster",
+         applies=lambda flat: _get(flat, "strategy") == "sandblaster",
+         values={"lr": 1.0, "batch_size": 8192, "steps": 200, "weight_decay": 1e-4},
+         why="L-BFGS scales its direction by the line search from a unit step (torch.optim.LBFGS's lr 1); "
+             "batch optimisation wants a large batch: one at least the training set (digits 1438, mnist1d "
+             "8000) is full-batch L-BFGS; full-batch L-BFGS overfits digits' MLP without an L2 term (94 % "
+             "against 97-98 % with 1e-4 at 200-300 iterations, torch.optim.LBFGS strong_wolfe)"),
     Rule(label=lambda flat: "ps/ssp",
          applies=lambda flat: _get(flat, "strategy") == "ps" and _get(flat, "consistency") == "ssp",
          values={"staleness": 2},

@@ -11,6 +11,11 @@ push carries clock c.
 - ``bsp``: the pushes of all live workers for clock c are averaged and applied once, then
   clock c + 1 may be read (Valiant's bulk-synchronous model; with the global batch split
   evenly it equals one process training with the whole batch, contract 1).
+- ``bsp`` with b backup workers (Chen et al. 2016, "Revisiting distributed synchronous
+  SGD"): of the P live workers, the first N = P - b gradients computed on the weights of
+  step c to arrive make step c; the gradients of step c that arrive later are dropped
+  (counted in ``late``), and their senders read the new weights and go on with the job's
+  current step, so a straggler costs no one any waiting.
 - ``asp``: every push is applied on arrival and reads never wait (Downpour SGD, Dean et
   al. 2012).
 - ``ssp``: pushes are applied on arrival, but a worker at clock c may read only once the
@@ -36,8 +41,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar, Generic, TypeVar
 
-__all__ = ["Push", "Consistency", "BSP", "ASP", "SSP", "SoftSync", "make_consistency", "is_synchronous",
-           "ConsistencyName"]
+__all__ = ["Push", "Consistency", "BSP", "BackupBSP", "ASP", "SSP", "SoftSync", "make_consistency",
+           "is_synchronous", "ConsistencyName"]
 
 P = TypeVar("P")
 ConsistencyName = str  # "bsp" | "asp" | "ssp" | "softsync"
@@ -65,6 +70,9 @@ class Consistency(ABC):
 
     def __init__(self) -> None:
         self.clocks: dict[int, int] = {}
+        # Per worker: pushes dropped unapplied because their step was made without them
+        # (BackupBSP); stays empty under the other gates, which apply every push.
+        self.late: dict[int, int] = {}
 
     def join(self, worker: int, clock: int | None = None) -> int:
         """Add ``worker`` to the live set; returns the clock it starts at. A worker that
@@ -189,6 +197,63 @@ class BSP(Consistency):
         return sum(len(r) for r in self.rounds.values())
 
 
+class BackupBSP(Consistency):
+    """BSP with backup workers (Chen et al. 2016): step r is the average of the first
+    ``quorum`` pushes computed on the weights of step r (``Push.version == r``) to arrive;
+    later pushes of step r are dropped and counted in ``late``.
+
+    Rounds are named by the version a gradient was computed on, not by the worker's own
+    clock: a worker that fell behind reads the current weights and its next push belongs
+    to the current step. This needs the server's version to count this gate's steps (one
+    update per step, as the server applies each group once), and a worker to push once per
+    fetch (``--fetch-every 1 --push-every 1``). Workers tag a push, on every shard, with the
+    oldest shard version they hold, so shards stay at most one step apart. With fewer live
+    workers than ``quorum`` (lost or finished) a step is made from every live worker's push,
+    as BSP does."""
+
+    name = "bsp"
+    accepts_joins = False
+
+    def __init__(self, quorum: int) -> None:
+        super().__init__()
+        if quorum < 1:
+            raise ValueError(f"BSP with backup workers needs a quorum of at least 1 push, got {quorum}")
+        self.quorum = quorum
+        self.applied = 0                      # steps made so far
+        self.round: list[Push[P]] = []        # pushes of step ``applied`` held so far
+        self.last: dict[int, int] = {}        # worker -> step of its last push
+
+    def _on_push(self, push: Push[P]) -> list[list[Push[P]]]:
+        if push.version > self.applied:
+            raise ValueError(f"worker {push.worker} pushed a gradient of step {push.version}, ahead of step "
+                             f"{self.applied}")
+        self.last[push.worker] = push.version
+        if push.version < self.applied or any(p.worker == push.worker for p in self.round):
+            self.late[push.worker] = self.late.get(push.worker, 0) + 1
+            return []
+        self.round.append(push)
+        return self._ready()
+
+    def _ready(self) -> list[list[Push[P]]]:
+        pushed = {p.worker for p in self.round}
+        if self.round and (len(self.round) >= self.quorum or all(w in pushed for w in self.clocks)):
+            group, self.round = sorted(self.round, key=lambda p: p.worker), []
+            self.applied += 1
+            return [group]
+        return []
+
+    def may_serve(self, worker: int, clock: int) -> bool:
+        """A worker reads once the step of its last push is made (at once after a late push)."""
+        return self.applied > self.last.get(worker, -1)
+
+    def blockers(self, worker: int, clock: int) -> list[int]:
+        pushed = {p.worker for p in self.round}
+        return [w for w in sorted(self.clocks) if w not in pushed]
+
+    def pending(self) -> int:
+        return len(self.round)
+
+
 class SoftSync(Consistency):
     """Average every ``n`` gradients into one update (n-softsync); a worker's read waits
     until its own pushes have been applied.
@@ -253,12 +318,16 @@ class SoftSync(Consistency):
         return len(self.queue)
 
 
-def make_consistency(name: str, workers: int, staleness: int = 0, softsync: int = 0) -> Consistency:
-    """The gate for ``--consistency name`` with ``workers`` initial workers.
+def make_consistency(name: str, workers: int, staleness: int = 0, softsync: int = 0, backups: int = 0
+                     ) -> Consistency:
+    """The gate for ``--consistency name`` with ``workers`` initial workers, ``backups`` of
+    them backup workers (BSP only: each step waits for ``workers - backups`` pushes).
 
     ``ssp`` with T = 0 is BSP (Ho et al. 2013); ``softsync`` with N = 0 means N = workers."""
     if name == "bsp" or (name == "ssp" and staleness == 0):
-        return BSP()
+        return BackupBSP(workers - backups) if backups else BSP()
+    if backups:
+        raise ValueError(f"backup workers need bsp, got {name!r}")
     if name == "asp":
         return ASP()
     if name == "ssp":

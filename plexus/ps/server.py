@@ -11,7 +11,9 @@ release the GIL while they move or add numbers, so threads overlap their transfe
 
 Consistency. Every push goes to the pure gate of ``consistency.py``, which returns the
 groups to apply now; each group is averaged in rank order and applied once with the
-server optimizer (``optimizers.py``), which counts one version. A read (a pull, or the
+server optimizer (``optimizers.py``), which counts one version. With backup workers
+(``--backup-workers b`` under bsp) the gate may drop a push that comes after its step was
+made; the push is still acknowledged (and counted in the record's ``late``), never applied. A read (a pull, or the
 answer to a fused push-and-pull) waits until the gate's ``may_serve`` allows it. An update
 writes the new weights into a spare buffer, which then becomes current, so every reply is
 sent, without a copy, from the buffer of one version while later updates go elsewhere.
@@ -206,7 +208,9 @@ class ParameterServer:
         # Judges the workers' heartbeats and records their gaps; ``log`` gets the long ones.
         self.watch = Watch(self.me, self.peer_timeout, self.timeout, self.interval, log=log)
         s = cfg.strategy
-        self.gate: Consistency = make_consistency(s.consistency, self.workers, s.staleness, s.softsync)
+        # Backup workers (Chen et al. 2016) only where the workers talk to the servers directly.
+        backups = s.backup_workers if not self.tree else 0
+        self.gate: Consistency = make_consistency(s.consistency, self.workers, s.staleness, s.softsync, backups)
         self.cond = threading.Condition()
         self.spec: ShardSpec | None = None
         # The dense range. Updates are written into a spare buffer that then becomes
@@ -299,6 +303,8 @@ class ParameterServer:
                 "fan_in_counts": {str(k): n for k, n in sorted(self.fan_in.items())},
                 "applied": {str(w): p.applied for w, p in sorted(self.peers.items())},
                 "acked": {str(w): p.acked for w, p in sorted(self.peers.items())},
+                # Pushes dropped because their step was made without them (backup workers).
+                "late": {str(w): n for w, n in sorted(self.gate.late.items())},
                 "staleness_counts": list(self.histogram.counts),
                 "reads": dict(self.readers.reads), "heartbeat": self.watch.record(),
                 "lost": {str(w): why for w, why in sorted(self.lost.items())},
@@ -614,13 +620,15 @@ class ParameterServer:
             members = self._members(worker, h, payloads[-1] if h.members else None)
             push = Push(worker, peer.base + h.clock, h.version, _Payload(dense, rows, grads, members),
                         weight=len(members))
+            late = self.gate.late.get(worker, 0)
             try:
                 groups = self.gate.push(push)
             except ValueError as exc:
                 raise ProtocolError(f"{name}: {exc}", peer=name) from None
             peer.pushed += 1
             self.last_push = time.monotonic()
-            if not any(p is push for group in groups for p in group):
+            dropped = self.gate.late.get(worker, 0) > late  # too late for its step: nothing holds it
+            if not dropped and not any(p is push for group in groups for p in group):
                 # The gate holds this gradient until its group is complete: its buffer is
                 # no longer ours to reuse, and a borrowed one must be copied out of the ring.
                 peer.rx = None

@@ -8,13 +8,14 @@ from plexus.strategies.downpour import DownpourStrategy
 from plexus.strategies.easgd import EasgdStrategy
 from plexus.strategies.gossip import GossipStrategy
 from plexus.strategies.local_sgd import LocalSgdStrategy
+from plexus.strategies.sandblaster import SandblasterStrategy
 from plexus.strategies.tree_ps import TreePSStrategy
 
 __all__ = ["STRATEGIES", "strategy_class", "create_strategy", "Context", "RoleContext", "Strategy", "StepStats"]
 
 STRATEGIES: dict[str, type[Strategy]] = {
     cls.name: cls for cls in (AllReduceStrategy, DownpourStrategy, TreePSStrategy, GossipStrategy, LocalSgdStrategy,
-                              EasgdStrategy)}
+                              EasgdStrategy, SandblasterStrategy)}
 
 
 def strategy_class(name: str) -> type[Strategy]:

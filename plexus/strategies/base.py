@@ -149,6 +149,15 @@ class Strategy(ABC):
         staleness_mean, staleness_max. The default suits synchronous strategies."""
         return {}
 
+    def units(self, samples: int) -> Any:
+        """Where this worker's data comes from when the strategy hands it out itself
+        (Sandblaster's scheduler, ``sandblaster/scheduler.py``): an object whose ``next()``
+        gives the indices (into the ``samples`` training samples) of the next unit to train
+        on, or None once the job has no more work for this worker; the run then lasts as
+        long as the strategy says, whatever ``--steps``. None, the default, lets the runner
+        pick the batches (contracts 1 and 2)."""
+        return None
+
     def agree(self, flag: bool) -> bool:
         """True when any worker's ``flag`` is true, known to all of them (used to stop
         together on a time limit or target accuracy)."""

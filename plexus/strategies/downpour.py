@@ -23,6 +23,21 @@ synchronous: worker r takes the r-th slice of global batch t, and training equal
 process with the whole batch (contract 1). Otherwise each worker walks its own partition
 of the data with batches of ``--batch-size / workers``, as DistBelief's replicas do.
 
+Scheduling (Dean et al. 2012, section 4.2; ARCHITECTURE.md, section 9). ``--assignment
+dynamic`` replaces the fixed partitions of an asynchronous job with one queue of units of
+``--batch-size / workers`` samples: a worker claims the job's next unit whenever it is idle
+(a ticket from the job's update budget, ``train/budget.py``; unit u is ``UnitBatches``' u-th
+slice), so a slow worker trains on fewer samples and the job ends when its ``--steps x
+workers`` units are spent, not when the slowest worker has walked its partition.
+``--backup-workers b`` under bsp (Chen et al. 2016) counts b of the ``--workers P`` worker
+processes as backups: each step is the average of the first N = P - b gradients computed on
+that step's weights to reach a server, and later ones are dropped (``late_gradients_dropped``).
+``--workers`` still counts every worker process (the launcher, the summary and the per-worker
+figures see P workers); each takes its slice of ``--batch-size / P`` samples of the job's
+step, so a step uses N x B / P samples. A late worker reads the new weights and goes on with
+the job's current step, and every worker stops once the job has made its ``--steps`` steps,
+so a straggler holds nobody up.
+
 Faults and membership. Worker losses are tolerated under every consistency model: a
 worker whose link breaks, or whose heartbeat (a counter in the store, bumped every
 ``--peer-timeout / 5`` s) stands still for ``--peer-timeout`` s, is removed from the live
@@ -69,6 +84,12 @@ def num_servers(cfg: JobConfig) -> int:
     return max(1, cfg.cluster.servers)
 
 
+def _bsp(cfg: JobConfig) -> bool:
+    """Whether the servers run BSP (``ssp`` with T = 0 is BSP, Ho et al. 2013)."""
+    s = cfg.strategy
+    return s.consistency == "bsp" or (s.consistency == "ssp" and s.staleness == 0)
+
+
 def _sparse_module(model: nn.Module) -> nn.Module | None:
     """The model's only embedding table, if it has exactly one."""
     tables = [m for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
@@ -86,6 +107,26 @@ class DownpourStrategy(Strategy):
     @classmethod
     def check_config(cls, cfg: JobConfig) -> None:
         s, c = cfg.strategy, cfg.cluster
+        if s.assignment == "dynamic" and is_synchronous(s.consistency, c.workers, s.staleness, s.softsync):
+            why = "one worker" if c.workers == 1 else f"--consistency {s.consistency}"
+            raise ConfigError(f"assignment dynamic needs an asynchronous job (asp, ssp with --staleness 1 or more, "
+                              f"or --softsync below --workers), got {why}: a synchronous step takes one slice of "
+                              f"its global batch from every worker, so there are no units to hand out; drop "
+                              f"--assignment dynamic or pass --consistency asp")
+        if s.backup_workers:
+            if not _bsp(cfg):
+                raise ConfigError(f"backup_workers needs --consistency bsp, got --consistency {s.consistency}: "
+                                  f"backup workers drop the late gradients of a synchronous step; asynchronous "
+                                  f"consistency waits for no straggler anyway (drop --backup-workers)")
+            if s.backup_workers >= c.workers:
+                raise ConfigError(f"backup_workers must be less than workers ({c.workers}), got {s.backup_workers}: "
+                                  f"--workers counts every worker process, backups included, and each step needs "
+                                  f"the gradients of workers - backup_workers of them; pass --workers "
+                                  f"{s.backup_workers + 2} or more")
+            if s.fetch_every != 1 or s.push_every != 1:
+                raise ConfigError(f"backup_workers needs --fetch-every 1 and --push-every 1, got {s.fetch_every} and "
+                                  f"{s.push_every}: a gradient belongs to the step of the weights it was computed "
+                                  f"on, so a worker pushes and fetches once per step")
         if s.softsync > c.workers:
             raise ConfigError(f"softsync must not exceed workers ({c.workers}), got {s.softsync}: an update that "
                               f"waits for more pushes than there are workers never comes; pass --softsync "
@@ -102,6 +143,11 @@ class DownpourStrategy(Strategy):
     @classmethod
     def tolerates_loss(cls, cfg: JobConfig, role: str, rank: int) -> bool:
         return role == "worker"
+
+    @classmethod
+    def shares_budget(cls, cfg: JobConfig) -> bool:
+        """Under ``--assignment dynamic`` the budget's tickets are the job's data units."""
+        return cfg.strategy.assignment == "dynamic"
 
     @classmethod
     def run_role(cls, role: str, rank: int, ctx: RoleContext) -> None:
@@ -171,6 +217,9 @@ class DownpourStrategy(Strategy):
             "updates_applied_by_worker": {str(w): max(rec["applied"].get(str(w), 0) for rec in servers.values())
                                           for w in workers},
             "protocol_errors": sum(rec["protocol_errors"] for rec in servers.values()),
+            "assignment": s.assignment,
+            # Samples each worker trained on (dynamic assignment gives a slow worker fewer).
+            "samples_by_worker": {str(r): w.get("samples") for r, w in sorted(records["worker"].items())},
             "bytes_received_by_servers": sum(rec["bytes_recv"] for rec in servers.values()),
             **heartbeat_summary(records),
         }
@@ -179,11 +228,20 @@ class DownpourStrategy(Strategy):
             wall = max(w["wall_seconds"] for w in records["worker"].values())
             share = cfg.run.batch_size // cfg.cluster.workers
             samples = sum(w["steps"] for w in records["worker"].values()) * share
-            if is_synchronous(s.consistency, cfg.cluster.workers, s.staleness, s.softsync):
+            if s.backup_workers and servers:
+                # A step is one version of every shard, made from N gradients of B / P samples.
+                steps = min(rec["version"] for rec in servers.values())
+                out.update(steps=steps)
+                samples = steps * (cfg.cluster.workers - s.backup_workers) * share
+            elif is_synchronous(s.consistency, cfg.cluster.workers, s.staleness, s.softsync):
                 steps = max(w["steps"] for w in records["worker"].values())
                 out.update(steps=steps)
                 samples = steps * cfg.run.batch_size
             out.update(samples=samples, wall_seconds=wall, samples_per_second=samples / wall if wall else None)
+        if s.backup_workers:
+            late = {str(w): max(rec.get("late", {}).get(str(w), 0) for rec in servers.values()) for w in workers}
+            out.update(backup_workers=s.backup_workers, gradients_per_step=cfg.cluster.workers - s.backup_workers,
+                       late_gradients_dropped=sum(late.values()), late_gradients_by_worker=late)
         return out
 
     # --- joining --------------------------------------------------------------------
@@ -217,9 +275,14 @@ class DownpourStrategy(Strategy):
         self.rank = ctx.info.rank
         self.synchronous = is_synchronous(s.consistency, cfg.cluster.workers, s.staleness, s.softsync)
         self.fetch_every, self.push_every = s.fetch_every, s.push_every
+        self.backups = s.backup_workers > 0
         module = self.table_of(model) if ctx.device.type == "cpu" else None
         self.table_module = module
         self.table = module.weight.data if module is not None else None
+        if module is not None and s.backup_workers:
+            raise ConfigError("backup_workers needs a model without an embedding table pushed by rows: a sparse "
+                              "step fetches its rows only when the next step starts, too late to know which step "
+                              "of the job it belongs to; drop --backup-workers or use a dense model")
         dense = [p for p in model.parameters() if module is None or p is not module.weight]
         dtypes = {p.dtype for p in dense} | ({module.weight.dtype} if module is not None else set())
         if len(dtypes) > 1:
@@ -266,6 +329,7 @@ class DownpourStrategy(Strategy):
         self.acc_versions = list(self.client.versions)
         self.acc_dense = torch.zeros_like(self.flat) if self.push_every > 1 else None
         self.acc_rows: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.samples = 0                    # trained on by this worker
         self.finished = False
 
     def table_of(self, model: nn.Module) -> nn.Module | None:
@@ -327,8 +391,13 @@ class DownpourStrategy(Strategy):
             self._load()
         self.fresh = False
         if self.acc_count == 0:
-            self.acc_versions = list(self.client.versions)
+            versions = self.client.versions
+            # With backup workers a gradient belongs to one step of the job on every shard,
+            # the oldest its weights come from (shards may be one step apart): a shard that
+            # is ahead drops it as late, so no shard makes a step past the job's last.
+            self.acc_versions = [min(versions)] * len(versions) if self.backups else list(versions)
         value = self._backward(x, y)
+        self.samples += len(x)
         if not math.isfinite(value):
             return StepStats(loss=value)  # never push a diverged gradient; the runner stops this worker
         rows = self._row_grads(keys) if keys is not None else None
@@ -403,6 +472,11 @@ class DownpourStrategy(Strategy):
     def global_model(self) -> nn.Module:
         return self.model
 
+    def job_step(self) -> int:
+        """With backup workers: the job's steps made in the weights this worker holds, i.e.
+        the step its next gradient belongs to (a worker that fell behind skips to it)."""
+        return min(self.client.versions)
+
     def evaluates(self, rank: int) -> bool:
         """Worker 0, or once every worker below this one is lost, this one: evaluations
         (and the stop at --target-accuracy) go on without worker 0."""
@@ -434,7 +508,7 @@ class DownpourStrategy(Strategy):
 
     def final_record(self) -> dict[str, Any]:
         return {"pushes": self.clock, "acks": list(self.client.acks), "init_versions": self.init_versions,
-                "heartbeat": self.heartbeat.record()}
+                "heartbeat": self.heartbeat.record(), "samples": self.samples}
 
     def close(self) -> None:
         self.heartbeat.stop(self.cfg.cluster.timeout)

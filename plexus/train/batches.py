@@ -7,6 +7,12 @@ order is a seeded permutation per epoch, so the same seed gives the same order.
 Asynchronous strategies: the training set is split into P disjoint contiguous partitions
 of a seeded permutation (as DistBelief shards its data), and each worker walks its own
 partition in batches of B/P, reshuffled per epoch.
+
+Dynamic assignment (ps ``--assignment dynamic``): the job is one queue of units of B/P
+samples, and a worker takes the next unit whenever it is idle, so a slow worker trains on
+fewer samples (Dean et al. 2012, section 4.2). Unit u is worker u mod P's slice of global
+batch u div P, so the job's units walk the same seeded per-epoch order as a synchronous
+job's global batches.
 """
 from __future__ import annotations
 
@@ -14,7 +20,7 @@ import torch
 
 from plexus.errors import ConfigError
 
-__all__ = ["GlobalBatches", "PartitionBatches"]
+__all__ = ["GlobalBatches", "PartitionBatches", "UnitBatches"]
 
 
 def _permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
@@ -68,3 +74,18 @@ class PartitionBatches:
             perm = _permutation(len(self.partition), self.seed * 31 + self.rank, epoch)
             self._epoch, self._order = epoch, self.partition[perm]
         return self._order[within * self.share: (within + 1) * self.share]
+
+
+class UnitBatches:
+    """Unit ``u`` of a job of ``workers`` workers: ``batch_size // workers`` samples, the
+    slice ``u mod workers`` of global batch ``u div workers``, whoever trains on it."""
+
+    def __init__(self, n: int, batch_size: int, seed: int, workers: int) -> None:
+        self.batches = GlobalBatches(n, batch_size, seed)
+        self.workers = workers
+        # Per worker, as for the other batch plans: the job's units of one epoch over P.
+        self.steps_per_epoch = self.batches.steps_per_epoch
+
+    def indices(self, unit: int) -> torch.Tensor:
+        step, slot = divmod(unit, self.workers)
+        return self.batches.worker_indices(step, slot, self.workers)

@@ -17,6 +17,12 @@ than ``total`` updates; a worker that dies mid-step takes its one claimed update
 The loop stays bounded with lost workers: the survivors spend their share. One claim is
 one store round trip (about 20 us on loopback here), small beside a step that averages a
 model with a neighbour.
+
+Tickets. Claims are numbered from 0 in the order the store hands them out (``ticket``), so
+the budget doubles as the job's queue of data units: under ``--assignment dynamic`` (ps)
+the claim a worker makes before a step names the unit it trains on (``batches.UnitBatches``),
+and an idle worker takes the job's next unit whoever made the last one (Dean et al. 2012,
+section 4.2).
 """
 from __future__ import annotations
 
@@ -37,20 +43,28 @@ class UpdateBudget:
         self.total = total
         self.key = key
         self.spent = False
+        self.ticket = -1  # the number of this worker's last claim (from 0, job-wide)
 
     @classmethod
-    def open(cls, store: dist.Store, steps_per_worker: int, workers: int) -> UpdateBudget | None:
+    def open(cls, store: dist.Store, steps_per_worker: int, workers: int, numbered: bool = False
+             ) -> UpdateBudget | None:
         """The job's budget of ``steps_per_worker x workers`` updates, or None when the run
-        is bounded by time alone (nothing to share: every worker runs to the time limit)."""
+        is bounded by time alone (nothing to share: every worker runs to the time limit).
+        ``numbered``: the tickets name data units, so a run bounded by time alone still gets
+        a budget, one that never runs out."""
         total = steps_per_worker * workers
-        return None if total >= _UNBOUNDED else cls(store, total)
+        if total >= _UNBOUNDED:
+            return cls(store, _UNBOUNDED) if numbered else None
+        return cls(store, total)
 
     def take(self) -> bool:
-        """Claim one update: True when it is this worker's to make, False once the budget is
-        spent (and for ever after, without asking the store again)."""
+        """Claim one update: True when it is this worker's to make (its number is then in
+        ``ticket``), False once the budget is spent (and for ever after, without asking the
+        store again)."""
         if self.spent:
             return False
-        if self.store.add(self.key, 1) > self.total:
+        self.ticket = int(self.store.add(self.key, 1)) - 1
+        if self.ticket >= self.total:
             self.spent = True
         return not self.spent
 

@@ -21,6 +21,8 @@ Nothing here downloads: a dataset that needs files asks for ``--data-dir``.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import gzip
 import importlib
@@ -69,6 +71,11 @@ class Dataset:
     input_shape: tuple[int, ...]
     # Sparse inputs only: size of the feature-id vocabulary (ids lie in [0, num_features)).
     num_features: int | None = None
+
+    def to_dtype(self, dtype: torch.dtype) -> "Dataset":
+        """The same dataset with floating-point features in ``dtype`` (ids stay int64)."""
+        cast = lambda x: x.to(dtype) if x.is_floating_point() else x  # noqa: E731
+        return dataclasses.replace(self, x_train=cast(self.x_train), x_test=cast(self.x_test))
 
     def __post_init__(self) -> None:
         where = f"dataset {self.name!r}"

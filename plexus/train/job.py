@@ -51,7 +51,8 @@ def validate(cfg: JobConfig):
     data = load_dataset(cfg.data, cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
     build_model(cfg.model, data)
-    if cfg.run.batch_size > len(data.x_train):
+    # (Sandblaster's batch caps at the training set: a larger one is full-batch L-BFGS.)
+    if cfg.run.batch_size > len(data.x_train) and cfg.strategy.strategy != "sandblaster":
         raise ConfigError(f"batch_size must not exceed the training set ({len(data.x_train)} samples), "
                           f"got {cfg.run.batch_size}: pass a smaller --batch-size")
     preflight.check_schedule(cfg, len(data.x_train))

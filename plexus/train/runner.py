@@ -22,7 +22,7 @@ from plexus.config import JobConfig
 from plexus.config.defaults import is_asynchronous
 from plexus.errors import PlexusError
 from plexus.strategies import Context, RoleContext, create_strategy, strategy_class
-from plexus.train.batches import GlobalBatches, PartitionBatches
+from plexus.train.batches import GlobalBatches, PartitionBatches, UnitBatches
 from plexus.train.budget import UpdateBudget
 from plexus.train.data import Dataset, load_dataset
 from plexus.train.health import Health, hint
@@ -106,6 +106,8 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
     data = data if data is not None else load_dataset(cfg.data, cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
     model = build_model(cfg.model, data).to(device)
+    if cfg.model.dtype == "float64":
+        data, model = data.to_dtype(torch.float64), model.double()
     traffic = Traffic()
     emulator = Emulator(cfg.cluster, "worker", info.rank)
     strategy = create_strategy(cfg.strategy.strategy)
@@ -116,11 +118,24 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
     strategy.setup(model, timer.wrap(loss_fn), ctx)
     workers, rank = info.world_size, info.rank
     share = cfg.run.batch_size // workers
-    if strategy.synchronous:
-        batches = GlobalBatches(len(data.x_train), cfg.run.batch_size, cfg.run.seed)
+    # ps --assignment dynamic: each step trains on the job's next unit, numbered by the
+    # shared budget's tickets. ps --backup-workers: a worker that fell behind skips to the
+    # job's current step (DownpourStrategy.job_step), and the job ends when it has made its
+    # steps (strategies/downpour.py; config/applies.py gives both flags to ps alone).
+    dynamic = cfg.strategy.assignment == "dynamic" and strategy.shares_budget(cfg)
+    catch_up = cfg.strategy.backup_workers > 0 and strategy.synchronous
+    # A strategy with its own scheduler hands out the data, and says when the run ends.
+    units = strategy.units(len(data.x_train))
+    if units is not None:
+        share, limit = units.unit_samples, 2**62
     else:
-        batches = PartitionBatches(len(data.x_train), share, cfg.run.seed, rank, workers)
-    limit = total_steps(cfg, batches.steps_per_epoch)
+        if strategy.synchronous:
+            batches = GlobalBatches(len(data.x_train), cfg.run.batch_size, cfg.run.seed)
+        elif dynamic:
+            batches = UnitBatches(len(data.x_train), cfg.run.batch_size, cfg.run.seed, workers)
+        else:
+            batches = PartitionBatches(len(data.x_train), share, cfg.run.seed, rank, workers)
+        limit = total_steps(cfg, batches.steps_per_epoch)
 
     if rank == 0:
         store.set(STEPS_KEY, str(limit))  # for the progress display (train/progress.py)
@@ -149,6 +164,8 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
     must_agree = cfg.run.time_limit is not None or cfg.run.target_accuracy is not None
     steps_done, loss = 0, float("nan")
     samples_per_step = cfg.run.batch_size if strategy.synchronous else share
+    if catch_up:  # a job's step uses the first workers - backup_workers slices
+        samples_per_step = (workers - cfg.strategy.backup_workers) * share
     # Asynchronous workers count the samples of the whole job together in the store (at
     # every log step), so that worker 0's evaluations say how much the job has seen.
     shared_samples, reported = not strategy.synchronous and workers > 1, 0
@@ -173,12 +190,26 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
         # Asynchronous strategies may stop on one budget of updates shared by the workers
         # (train/budget.py; Lian et al. 2018): each update is claimed before it is made, and
         # a worker's last step is the one after which no claim is left.
-        budget = UpdateBudget.open(store, limit, workers) if strategy.shares_budget(cfg) else None
+        budget = UpdateBudget.open(store, limit, workers, numbered=dynamic) if strategy.shares_budget(cfg) else None
         if budget is not None:
             limit = budget.total if budget.take() else 0
         for step in range(limit):
             emulator.at_step(step)
-            idx = batches.worker_indices(step, rank, workers) if strategy.synchronous else batches.indices(step)
+            if units is not None:
+                idx = units.next()
+                if idx is None:
+                    break
+            elif dynamic:
+                idx = batches.indices(budget.ticket)
+            elif catch_up:
+                at = strategy.job_step()
+                if at >= limit:
+                    break  # the job has made its steps, with or without this worker
+                idx = batches.worker_indices(at, rank, workers)
+            elif strategy.synchronous:
+                idx = batches.worker_indices(step, rank, workers)
+            else:
+                idx = batches.indices(step)
             x, y = data.x_train[idx].to(device, non_blocking=True), data.y_train[idx].to(device, non_blocking=True)
             with timer.stepping():
                 stats = strategy.step(x, y)
@@ -204,7 +235,7 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
                 else:
                     logger.warning("worker %d: training is %s at step %d (loss %.4g): %s", rank, changed,
                                    steps_done, loss, why)
-            samples = steps_done * samples_per_step
+            samples = (strategy.job_step() if catch_up else steps_done) * samples_per_step
             job_samples = samples  # what the whole job has consumed, as this worker knows it
             if shared_samples and (steps_done % cfg.run.log_every == 0 or steps_done == limit):
                 job_samples = store.add(_SAMPLES_KEY, samples - reported)
@@ -257,7 +288,8 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
         if final is not None:
             final_loss, final_acc = evaluate(final, data.x_test, data.y_test, device)
             if not evaluator.results or evaluator.results[-1].step != steps_done:
-                total = store.add(_SAMPLES_KEY, 0) if shared_samples else steps_done * samples_per_step
+                total = store.add(_SAMPLES_KEY, 0) if shared_samples else \
+                    (strategy.job_step() if catch_up else steps_done) * samples_per_step
                 evaluator.record(Evaluation(step=steps_done, time=wall, samples=total, accuracy=final_acc,
                                             loss=final_loss))
             if run_dir is not None and cfg.run.save_model:
