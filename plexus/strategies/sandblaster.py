@@ -116,7 +116,9 @@ class SandblasterStrategy(Strategy):
         cfg = ctx.cfg
         wait_keys(ctx.store, [_MODEL_KEY], cfg.cluster.timeout, "worker 0's model description")
         model = store_get_json(ctx.store, _MODEL_KEY)
-        link_args = dict(traffic=ctx.traffic, timeout=cfg.cluster.timeout, backend=ctx.backend,
+        # Shards and the coordinator hold host tensors: their links are gloo whatever the
+        # replicas compute on (a replica moves its gradients to the host to push them).
+        link_args = dict(traffic=ctx.traffic, timeout=cfg.cluster.timeout, backend="gloo",
                          net=cfg.cluster.net, transport=cfg.cluster.transport)
         if role == "server":
             shard = Shard(ctx.store, rank, _servers(cfg), model["numel"], getattr(torch, model["dtype"]),
@@ -169,7 +171,7 @@ class SandblasterStrategy(Strategy):
         self.model, self.loss_fn, self.ctx, self.cfg = model, loss_fn, ctx, ctx.cfg
         self.rank = ctx.info.rank
         self.params = [p for p in model.parameters() if p.requires_grad]
-        flat = parameters_to_vector(self.params).detach()
+        flat = parameters_to_vector(self.params).detach().cpu()
         self.numel, self.dtype = flat.numel(), flat.dtype
         self.shards = _servers(self.cfg)
         self.ranges = [shard_range(self.numel, self.shards, s) for s in range(self.shards)]
@@ -181,7 +183,7 @@ class SandblasterStrategy(Strategy):
             store_set_json(ctx.store, _MODEL_KEY, {"numel": self.numel, "dtype": str(self.dtype).split(".")[-1],
                                                    "element_bytes": flat.element_size()})
         self.links = [Link(ctx.store, f"worker {self.rank}", f"server {s}", tag="sandblaster",
-                           traffic=ctx.traffic, timeout=self.cfg.cluster.timeout, backend=ctx.backend,
+                           traffic=ctx.traffic, timeout=self.cfg.cluster.timeout, backend="gloo",
                            net=self.cfg.cluster.net, transport=self.cfg.cluster.transport)
                       for s in range(self.shards)]
         if self.rank == 0:
