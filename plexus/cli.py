@@ -85,6 +85,8 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(g, "transport", choices=list(TRANSPORTS),
           help="point-to-point links: auto (shared memory on one machine), socket or shm")
     _flag(g, "device", choices=["auto", "cpu", "cuda"], help="compute device")
+    _flag(g, "place", choices=["workers-first", "roles-first"],
+          help="global ranks: workers first (servers on the last node under torchrun) or roles first")
     _flag(g, "threads", type=int, help="torch threads per process (default 1; 0: torch's default)")
     _flag(g, "slow", help="emulate slow workers: worker:K=F[,worker:J=G]")
     _flag(g, "net", help="emulate the network: bandwidth=100mbit,latency=2ms")
@@ -118,6 +120,9 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(g, "quiet", action="store_const", const=True, help="no progress display")
     _flag(g, "debug", action="store_const", const=True, help="verbose logs and tracebacks")
     _flag(g, "config", help="TOML file with the same keys as the flags (flags win)")
+    g.add_argument("--print-plan", dest="print_plan", nargs="?", type=int, const=0, metavar="WORLD_SIZE",
+                   help="print which role each global rank plays (for WORLD_SIZE processes, or torchrun's "
+                        "WORLD_SIZE, or --workers plus the strategy's roles) and exit")
     _flag(g, "print-config", action="store_const", const=True,
           help="print every effective value and its source (flag, file, default, default for ps/asp) and exit")
 
@@ -191,7 +196,7 @@ def job_config(args: argparse.Namespace, extra: dict[str, Any] | None = None):
     source (file, flag, spec) and the keys left unset take their strategy's defaults."""
     from plexus.config import JobConfig
     flat = vars(args).copy()
-    for key in ("command", "specs", "config", "print_config"):
+    for key in ("command", "specs", "config", "print_config", "print_plan"):
         flat.pop(key, None)
     merged = _load_toml(args.config) if getattr(args, "config", None) else {}
     merged = {k.replace("-", "_"): v for k, v in merged.items()}
@@ -298,6 +303,9 @@ def _train(args: argparse.Namespace) -> int:
     if getattr(args, "print_config", False):
         _print_config(cfg)
         return 0
+    if getattr(args, "print_plan", None) is not None:
+        _print_plan(cfg, args.print_plan or int(os.environ.get("WORLD_SIZE", "0")))
+        return 0
     if "RANK" in os.environ and "PLEXUS_ROLE" not in os.environ:
         summary = run_torchrun(cfg)
         if summary is not None:
@@ -311,6 +319,19 @@ def _train(args: argparse.Namespace) -> int:
             run_dir, summary = run_local(cfg, poll=progress.poll)
     _print_summary(summary, str(run_dir), cfg.run.json)
     return 0
+
+
+def _print_plan(cfg, world_size: int) -> None:
+    """``plexus train --print-plan [N]``: the role of every global rank (train/plan.py)."""
+    from plexus.train.plan import format_plan, plan_for_world, role_plan
+    if world_size:
+        cfg, slots = plan_for_world(cfg, world_size)
+    else:
+        slots = role_plan(cfg)
+    per_node = int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else None
+    print(f"{cfg.strategy.strategy}: {len(slots)} processes, {cfg.cluster.workers} workers, "
+          f"--place {cfg.cluster.place}")
+    print(format_plan(slots, per_node))
 
 
 def _summary_line(summary: dict[str, Any]) -> str:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from plexus.errors import CommTimeout, ConfigError, PeerLost
 
-__all__ = ["ProcessInfo", "host_store", "connect_store", "await_listener", "new_token", "job_namespace",
+__all__ = ["ProcessInfo", "gloo_interface_towards", "host_store", "connect_store", "await_listener", "new_token", "job_namespace",
            "store_get_json", "store_set_json", "wait_keys", "store_barrier"]
 
 logger = logging.getLogger(__name__)
@@ -97,6 +97,46 @@ class ProcessInfo:
         return cls(role=role, rank=rank, world_size=int(env.get("PLEXUS_WORKERS", env["WORLD_SIZE"])),
                    master_addr=env["MASTER_ADDR"], master_port=int(env["MASTER_PORT"]), token=token,
                    local_rank=int(env.get("LOCAL_RANK", "0")), hosts_store=hosts)
+
+
+def _interface_of(address: str) -> str | None:
+    """The name of the network interface that holds IPv4 ``address`` (Linux)."""
+    import fcntl
+    import struct
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(probe.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue  # no IPv4 address on it
+            if socket.inet_ntoa(raw[20:24]) == address:
+                return name
+    return None
+
+
+def gloo_interface_towards(master_addr: str) -> str | None:
+    """Point gloo at the interface that reaches ``master_addr``, unless the user chose one
+    (``GLOO_SOCKET_IFNAME``) or the job stays on loopback; returns the interface chosen.
+
+    gloo binds its links to the address its host name resolves to, and where the host name
+    is not in DNS or /etc/hosts (a container, a namespace) it falls back to loopback: the
+    other hosts' links then wait for a peer they can never reach. The route the kernel
+    takes to the job's store is the one the links between hosts need."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return None
+    try:
+        if ipaddress.ip_address(socket.gethostbyname(master_addr)).is_loopback:
+            return None
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((master_addr, 9))  # UDP: picks the route, sends nothing
+            local = probe.getsockname()[0]
+        name = _interface_of(local)
+    except OSError:
+        return None
+    if name is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = name
+    return name
 
 
 def _port_in_use(host: str, port: int) -> bool:

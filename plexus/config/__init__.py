@@ -215,9 +215,15 @@ class ClusterConfig:
     # auto uses shared memory between processes on one machine and gloo's sockets
     # otherwise; socket always uses the sockets; shm requires shared memory.
     transport: Literal["auto", "socket", "shm"] = "auto"
+    # Global ranks of the role plan (train/plan.py): workers first, then the strategy's other
+    # roles (servers, aggregators, coordinator), or those roles first. torchrun numbers ranks
+    # node by node, so this says which node the servers land on.
+    place: Literal["workers-first", "roles-first"] = "workers-first"
 
     def __post_init__(self) -> None:
         _require(self.workers >= 1, "workers", "must be at least 1", self.workers, "pass --workers 1 or more")
+        _require(self.place in ("workers-first", "roles-first"), "place", "must be workers-first or roles-first",
+                 self.place, "pass --place roles-first")
         _require(self.servers >= 0, "servers", "must be non-negative", self.servers, "pass --servers 0 or more")
         _require(0 <= self.port < 65536, "port", "must lie in [0, 65535]", self.port, "pass --port 0 for a free port")
         _require(self.timeout > 0, "timeout", "must be positive seconds", self.timeout, "pass --timeout 60")

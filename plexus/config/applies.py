@@ -55,6 +55,8 @@ APPLIES: dict[str, tuple[str, ...]] = {
     "average_optimizer_state": ("local-sgd",),
     "warmup_steps": ("local-sgd",),
     "elastic_alpha": ("easgd",),
+    # where the roles besides workers go in the role plan (train/plan.py)
+    "place": ("ps", "tree-ps", "easgd", "sandblaster"),
     # the scheduler under ps (train/batches.py, ps/server.py)
     "assignment": ("ps",),
     "backup_workers": ("ps",),

@@ -20,8 +20,8 @@ from typing import Any, Callable
 import torch
 
 from plexus.cluster.launcher import RoleSpec, launch
-from plexus.cluster.rendezvous import (ProcessInfo, connect_store, host_store, job_namespace, new_token,
-                                       store_set_json)
+from plexus.cluster.rendezvous import (ProcessInfo, connect_store, gloo_interface_towards, host_store,
+                                       job_namespace, new_token, store_set_json)
 from plexus.collectives import get_algorithm
 from plexus.config import JobConfig
 from plexus.errors import ConfigError, JobFailed, JobInterrupted
@@ -29,7 +29,7 @@ from plexus.strategies import strategy_class
 from plexus.train.data import load_dataset
 from plexus.train.models import build_model
 from plexus.train.progress import StartupProbe, oversubscription
-from plexus.train.runner import save_dataset, worker_main
+from plexus.train.runner import role_main, save_dataset, worker_main
 from plexus.train.summary import assemble_summary, collect_records, write_summary
 
 __all__ = ["run", "run_local", "run_torchrun", "prepare_run_dir", "validate"]
@@ -280,13 +280,11 @@ def _records_from_events(cfg: JobConfig, run_dir: Path, records: dict[str, Any])
 
 
 def _roles(cfg: JobConfig) -> list[RoleSpec]:
-    """Every process of the job: the workers, then the strategy's other roles. Global
+    """Every process of the job, as the role plan orders them (train/plan.py). Global
     ranks (RANK) are unique across roles; PLEXUS_ROLE_RANK is the rank within the role."""
-    specs = [RoleSpec("worker", r, {"RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(cfg.cluster.workers)]
-    for role, count in strategy_class(cfg.strategy.strategy).extra_roles(cfg):
-        for r in range(count):
-            specs.append(RoleSpec(role, r, {"RANK": str(len(specs)), "LOCAL_RANK": str(len(specs))}))
-    return specs
+    from plexus.train.plan import role_plan
+    return [RoleSpec(slot.role, slot.rank, {"RANK": str(g), "LOCAL_RANK": str(g)})
+            for g, slot in enumerate(role_plan(cfg))]
 
 
 def _job_store(store, token: str):
@@ -314,16 +312,24 @@ def run(config: JobConfig | dict[str, Any]) -> dict[str, Any]:
 
 
 def run_torchrun(cfg: JobConfig) -> dict[str, Any] | None:
-    """One worker of a job launched by torchrun (roles and ranks from its environment)."""
-    info = ProcessInfo.from_env()
-    if info.world_size != cfg.cluster.workers:
-        cfg = cfg.replace(workers=info.world_size)
+    """One process of a job launched by torchrun: its role and rank within the role come
+    from the role plan (train/plan.py) at its global RANK of WORLD_SIZE. Worker 0 writes
+    the run directory and returns the summary; every other process returns None."""
+    import dataclasses
+    from plexus.train.plan import plan_for_world
     from plexus.train.preflight import check_applies
+    info = ProcessInfo.from_env()
+    gloo_interface_towards(info.master_addr)  # before any link is made
+    global_rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    cfg, slots = plan_for_world(cfg, world)
     check_applies(cfg)
-    if strategy_class(cfg.strategy.strategy).extra_roles(cfg):
-        raise ConfigError(f"strategy {cfg.strategy.strategy} needs roles besides workers; under torchrun "
-                          f"only workers start: use the local launcher (plexus train) on one machine")
+    strategy_class(cfg.strategy.strategy).check_config(cfg)
+    slot = slots[global_rank]
+    info = dataclasses.replace(info, role=slot.role, rank=slot.rank, world_size=cfg.cluster.workers)
     store = connect_store(info, cfg.cluster.timeout)
+    if slot.role != "worker":
+        role_main(cfg, info, store, None)
+        return None
     if info.rank == 0:
         warn_risks(cfg)
     run_dir = prepare_run_dir(cfg) if info.rank == 0 else None
@@ -331,6 +337,7 @@ def run_torchrun(cfg: JobConfig) -> dict[str, Any] | None:
     if info.rank != 0:
         return None
     summary = assemble_summary(cfg, collect_records(cfg, store, wait=cfg.cluster.timeout))
+    summary["status"] = "completed"
     if run_dir is not None:
         write_summary(run_dir, summary)
         _write_report(run_dir)

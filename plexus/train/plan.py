@@ -1,0 +1,90 @@
+"""The role plan: which role every global rank of a job plays.
+
+One pure function of the configuration and the world size, computed the same way by the
+local launcher (which spawns exactly this plan) and by every process ``torchrun`` starts
+(which reads its own slot from ``RANK`` and ``WORLD_SIZE``), so every strategy, servers,
+aggregators and coordinators included, runs across machines with no extra flags.
+
+Order. ``--place workers-first`` (the default) gives the workers ranks 0 .. P-1 and the
+strategy's other roles (``Strategy.extra_roles``: servers, aggregators, a coordinator) the
+ranks after them; ``--place roles-first`` puts those roles first. torchrun numbers ranks
+node by node (node 0 holds ranks 0 .. nproc-1), so with ``workers-first`` the servers land
+on the last node and with ``roles-first`` on the first: give that node as many processes
+(``--nproc-per-node``) as the plan has servers, and they have a machine of their own.
+
+Fit. The workers are what is left of the world size once the other roles are counted;
+the roles may depend on the workers (a tree-ps tree has aggregators per group of
+workers), so the plan takes the number of workers P for which P + roles(P) is the world
+size. A world size that no P fits is a ConfigError naming the sizes that would.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plexus.config import JobConfig
+from plexus.errors import ConfigError
+from plexus.strategies import strategy_class
+
+__all__ = ["Slot", "role_plan", "plan_for_world", "format_plan"]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One process of the plan: ``role`` and its rank within the role."""
+
+    role: str
+    rank: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.role} {self.rank}"
+
+
+def role_plan(cfg: JobConfig) -> list[Slot]:
+    """The slots of ``cfg``'s processes, by global rank, for its ``--workers``."""
+    workers = [Slot("worker", r) for r in range(cfg.cluster.workers)]
+    others = [Slot(role, r) for role, count in strategy_class(cfg.strategy.strategy).extra_roles(cfg)
+              for r in range(count)]
+    return others + workers if cfg.cluster.place == "roles-first" else workers + others
+
+
+def _with_workers(cfg: JobConfig, workers: int) -> JobConfig | None:
+    if cfg.cluster.workers == workers:
+        return cfg
+    try:
+        return cfg.replace(workers=workers)
+    except ConfigError:  # e.g. a batch size that this many workers cannot split
+        return None
+
+
+def plan_for_world(cfg: JobConfig, world_size: int) -> tuple[JobConfig, list[Slot]]:
+    """(the configuration with the workers that fit, its plan) for ``world_size``
+    processes; ConfigError, naming the world sizes that fit, when none does."""
+    fits: list[int] = []
+    for workers in range(1, world_size + 1):
+        sized = _with_workers(cfg, workers)
+        if sized is None:
+            continue
+        slots = role_plan(sized)
+        if len(slots) == world_size:
+            return sized, slots
+        if len(fits) < 6:
+            fits.append(len(slots))
+    for workers in range(world_size + 1, world_size + 8):
+        sized = _with_workers(cfg, workers)
+        if sized is not None and len(fits) < 6:
+            fits.append(len(role_plan(sized)))
+    roles = ", ".join(f"{count} {role}{'s' if count != 1 else ''}"
+                      for role, count in strategy_class(cfg.strategy.strategy).extra_roles(cfg)) or "no other role"
+    raise ConfigError(f"world size {world_size} does not fit strategy {cfg.strategy.strategy} ({roles} besides the "
+                      f"workers): world sizes that fit are {', '.join(map(str, sorted(set(fits))))}; start that "
+                      f"many processes, or change --servers")
+
+
+def format_plan(slots: list[Slot], per_node: int | None = None) -> str:
+    """The plan as lines ``rank  role  (node n)``, for ``plexus train --print-plan``."""
+    lines = []
+    for rank, slot in enumerate(slots):
+        node = f"  node {rank // per_node}" if per_node else ""
+        lines.append(f"  rank {rank:>3}  {slot.name}{node}")
+    return "\n".join(lines)
