@@ -145,3 +145,16 @@ def test_bench_json_rows(capsys):
         if row["algorithm"] not in ("backend", "native"):
             assert row["steps"] == row["model_steps"], row
     assert {row["vs_native"] for row in rows if row["algorithm"] == "native"} == {1.0}
+
+
+@pytest.mark.slow
+def test_auto_records_its_choice_and_the_modelled_times_behind_it(tmp_path):
+    """The summary says what auto chose per message size, on which measured network, and
+    each candidate's modelled time: the choice is the fastest of them."""
+    import plexus
+    summary = plexus.run({"algorithm": "auto", "workers": 2, "steps": 5, "eval_every": 0, "quiet": True,
+                          "out": str(tmp_path)})
+    (decision,) = summary["auto_decisions"]  # one bucket
+    times = decision["modelled_seconds"]
+    assert decision["chose"] == min(times, key=times.get) and summary["auto_chose"] == [decision["chose"]]
+    assert decision["calls"] == 5 and decision["network"]["alpha"] > 0

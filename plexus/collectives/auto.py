@@ -21,7 +21,7 @@ import torch
 
 from plexus.cluster.group import Endpoint
 from plexus.collectives.base import TAG_CALIBRATE, AllReduce, root_group
-from plexus.collectives.cost import AUTO_CANDIDATES, Network, best
+from plexus.collectives.cost import AUTO_CANDIDATES, Network, best, cost
 from plexus.collectives.dbtree import CHUNK_BYTES
 from plexus.collectives.hier import INNER
 
@@ -84,6 +84,7 @@ class Auto(AllReduce):
         self.given = network
         self.candidates = tuple(candidates)
         self._algorithms = {name: INNER[name]() for name in self.candidates}
+        self._decided: dict[int, dict[str, Any]] = {}
 
     def network(self, group: Endpoint) -> Network:
         """The given parameters, or those measured on ``group`` (measured on the first
@@ -109,4 +110,23 @@ class Auto(AllReduce):
         return (int(self.given is not None), int.from_bytes(digest, "big"))
 
     def _reduce(self, flat: torch.Tensor, group: Endpoint) -> None:
-        self._algorithms[self.choice(group, flat.numel() * flat.element_size())]._reduce(flat, group)
+        nbytes = flat.numel() * flat.element_size()
+        name = self.choice(group, nbytes)
+        self._remember(group, nbytes, name)
+        self._algorithms[name]._reduce(flat, group)
+
+    def _remember(self, group: Endpoint, nbytes: int, name: str) -> None:
+        """Keep the first choice per message size, with the network it was made on and each
+        candidate's modelled time: the reason, for the summary (``decisions``)."""
+        if nbytes in self._decided:
+            self._decided[nbytes]["calls"] += 1
+            return
+        net = self.network(group)
+        times = {c: cost(c, group.size, nbytes, network=net, chunk_bytes=CHUNK_BYTES).time for c in self.candidates}
+        self._decided[nbytes] = {"bytes": nbytes, "ranks": group.size, "chose": name, "calls": 1,
+                                 "network": {"alpha": net.alpha, "beta": net.beta, "gamma": net.gamma},
+                                 "modelled_seconds": times}
+
+    def decisions(self) -> list[dict[str, Any]]:
+        """What this rank chose for each message size, and why (the modelled times)."""
+        return list(self._decided.values())

@@ -19,10 +19,13 @@ ddp``, went from about 0.7 to parity with a small MLP on 2 workers):
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from plexus.collectives import get_algorithm
 from plexus.collectives.base import Handle
+from plexus.config import JobConfig
 from plexus.collectives.bucketing import GradientBuckets
 from plexus.strategies.base import Context, LossFn, Strategy, StepStats, make_optimizer
 
@@ -39,6 +42,7 @@ class AllReduceStrategy(Strategy):
         self.ctx = ctx
         self.group = ctx.worker_group()
         algorithm = get_algorithm(ctx.cfg.strategy.algorithm, ctx.cfg.strategy)
+        self.algorithm = algorithm
         bucket_bytes = int(ctx.cfg.strategy.bucket_mb * 2**20)
         self.buckets = GradientBuckets(list(model.parameters()), bucket_bytes, self._launch)
         # One checked, reusable mean all-reduce per bucket buffer, in bucket order on every rank.
@@ -70,6 +74,19 @@ class AllReduceStrategy(Strategy):
         votes = torch.tensor([1.0 if flag else 0.0], device=self.ctx.device)
         self.group.all_reduce_backend(votes, count_bytes=0).wait()
         return bool(votes.item() > 0)
+
+    def final_record(self) -> dict[str, Any]:
+        """``--algorithm auto``: the choice per bucket size and its reason."""
+        decisions = getattr(self.algorithm, "decisions", None)
+        return {"auto_decisions": decisions()} if decisions is not None else {}
+
+    @classmethod
+    def summary_fields(cls, cfg: JobConfig, records: dict[str, Any]) -> dict[str, Any]:
+        worker0 = records["worker"].get(0, {})
+        if "auto_decisions" not in worker0:
+            return {}
+        return {"auto_decisions": worker0["auto_decisions"],
+                "auto_chose": sorted({d["chose"] for d in worker0["auto_decisions"]})}
 
     def close(self) -> None:
         self.buckets.remove()
