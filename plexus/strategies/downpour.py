@@ -273,7 +273,11 @@ class DownpourStrategy(Strategy):
         cfg, s = ctx.cfg, ctx.cfg.strategy
         self.model, self.loss_fn, self.ctx, self.cfg = model, loss_fn, ctx, cfg
         self.rank = ctx.info.rank
-        self.synchronous = is_synchronous(s.consistency, cfg.cluster.workers, s.staleness, s.softsync)
+        # A worker that joined (rank >= workers) walks a partition of its own: under asp a
+        # job of one worker is synchronous, and the slice of the global batch it would take
+        # at rank 1 of 1 is empty.
+        self.synchronous = is_synchronous(s.consistency, cfg.cluster.workers, s.staleness, s.softsync) \
+            and self.rank < cfg.cluster.workers
         self.fetch_every, self.push_every = s.fetch_every, s.push_every
         self.backups = s.backup_workers > 0
         module = self.table_of(model) if ctx.device.type == "cpu" else None
