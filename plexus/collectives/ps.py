@@ -27,14 +27,16 @@ class ParameterServer(AllReduce):
         peers = [(r + k) % p for k in range(1, p)]
         buf = scratch(group, (p - 1) * mine.numel(), flat, self.name)
         parts = {peer: buf[i * mine.numel(): (i + 1) * mine.numel()] for i, peer in enumerate(peers)}
-        # Sends before receives, as in rhd.py: every pair exchanges both ways at once.
-        sends = [group.isend(shards[peer], peer, TAG_REDUCE) for peer in peers if shards[peer].numel()]
+        # Receives before sends, as in rhd.py: every pair exchanges both ways at once, the
+        # sending thread writing while gloo's I/O thread reads.
         incoming = {peer: group.irecv(parts[peer], peer, TAG_REDUCE) for peer in peers if mine.numel()}
+        sends = [group.isend(shards[peer], peer, TAG_REDUCE) for peer in peers if shards[peer].numel()]
         for peer in range(p):  # add in rank order: the same order in every run
             if peer in incoming:
                 incoming[peer].wait()
                 mine.add_(parts[peer])
-        if mine.numel():
-            sends += [group.isend(mine, peer, TAG_GATHER) for peer in peers]
-        wait_all([group.irecv(shards[peer], peer, TAG_GATHER) for peer in peers if shards[peer].numel()])
+        wait_all(sends)  # the shards sent are where the gathered sums land
+        gathers = [group.irecv(shards[peer], peer, TAG_GATHER) for peer in peers if shards[peer].numel()]
+        sends = [group.isend(mine, peer, TAG_GATHER) for peer in peers] if mine.numel() else []
+        wait_all(gathers)
         wait_all(sends)

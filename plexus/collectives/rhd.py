@@ -9,14 +9,13 @@ long messages. For other P the standard fold applies (``schedule.Fold``): the fi
 P - p' even ranks hand their vector to their odd neighbour first and get the result back
 at the end, two more steps and N more elements for those pairs.
 
-Partners send to each other at the same time over one connection. For large vectors each
-exchange posts its send before its receive: with the receive not yet posted when the
-partner's data is announced, gloo's I/O thread writes this rank's data as well as reading
-the partner's, whereas a receive posted first lets the sending thread write while the I/O
-thread reads, and the two contend for the connection (about 10% more CPU and time at
-16 MB on this 2-core machine). Small vectors (up to ``EARLY_BYTES``) post every receive
-at the start instead, which saves the "ready" notice's latency in every step. Either way
-the messages are the same.
+Partners send to each other at the same time over one connection, and every receive is
+posted at the start, before any send: the sending thread then writes while gloo's I/O
+thread reads, both directions at once. Posting the send first let the I/O thread do both,
+which was about 10 % cheaper at 16 MB between processes of one 2-core machine but
+serialised the two directions on a real link: across two hosts on a 100 Mbit/s tbf link,
+rhd took 1.97x the ring's time (docs/results/two-hosts.md). ``early_bytes`` keeps the
+old order above a size, for measurements; the messages are the same either way.
 """
 from __future__ import annotations
 
@@ -28,9 +27,8 @@ from plexus.collectives.schedule import Fold, chunk_bounds, rhd_rounds, span
 
 __all__ = ["Rhd", "EARLY_BYTES"]
 
-# Up to this many bytes, receives are posted at the start (latency matters more than the
-# contention described above).
-EARLY_BYTES = 256 << 10
+# Up to this many bytes, receives are posted at the start (all of them: see above).
+EARLY_BYTES = 1 << 62
 
 
 class Rhd(AllReduce):
