@@ -49,6 +49,11 @@ SKIP = {
     "--out runs/decentral-": "a reproduction of a measured table (7 specs x 8 epochs of mnist1d); as above",
     "--dataset mnist1d --model mlp --steps 50 --batch-size 128": "the measured tree-ps rows at 8 workers on "
                                                                  "mnist1d; the tree-ps examples above run it",
+    "--out runs/sched-": "a reproduction of the scheduler table (2 specs of a wide MLP); tests/test_ps_scheduler.py "
+                         "runs dynamic assignment and backup workers with a straggler",
+    "--lbfgs vector-free --line-search strong_wolfe": "tests/test_sandblaster.py runs vector-free and strong Wolfe "
+                                                      "against torch.optim.LBFGS",
+    "--strategy sandblaster --workers 3 --slow": "tests/test_sandblaster.py runs a slow replica and counts its units",
 }
 
 # The effect a comment states -> what the test checks (see _check).
