@@ -18,7 +18,6 @@ each for about the same wall time. Accuracy against time and against machine-sec
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile

@@ -3,7 +3,6 @@ oracle over shards, replicas and units, exactly-once units under backups and a k
 replica, load balancing, and bad input."""
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch

@@ -29,7 +29,6 @@ torch.optim.LBFGS's tolerances say the optimum is reached.
 from __future__ import annotations
 
 import copy
-import math
 import time
 from typing import Any
 
@@ -44,7 +43,7 @@ from plexus.errors import ConfigError, ProtocolError
 from plexus.sandblaster import wire
 from plexus.sandblaster.coordinator import Coordinator, ShardVectors
 from plexus.sandblaster.lbfgs import Settings, Slot
-from plexus.sandblaster.scheduler import PREFIX, Claims, Opening, units_of
+from plexus.sandblaster.scheduler import PREFIX, Claims, Opening
 from plexus.sandblaster.shard import Shard, shard_range
 from plexus.sandblaster.wire import Accepted, Kind
 from plexus.strategies.base import Context, LossFn, RoleContext, StepStats, Strategy
