@@ -19,7 +19,7 @@ demo: $(STAMP)
 		--dataset digits --model mlp --steps 300 --out runs/demo --overwrite
 
 test: $(STAMP)
-	MPLCONFIGDIR=$${MPLCONFIGDIR:-/tmp/plexus-mpl} $(PY) -m pytest -q -p no:cacheprovider tests
+	MPLCONFIGDIR=$${MPLCONFIGDIR:-/tmp/plexus-mpl} $(PY) -m pytest -q -p no:cacheprovider --durations=25 tests
 
 bench: $(STAMP)
 	$(PY) benchmarks/ddp_throughput.py

@@ -246,8 +246,9 @@ def _summarise_failure(cfg: JobConfig, run_dir: Path, store, lost: dict[str, lis
         summary["status"] = "failed"
     write_summary(run_dir, summary)
     if interrupted is None and summary.get("health", "ok") != "ok":
-        logger.warning("plexus: training %s (detected at step %s): %s", summary["health"], summary["health_step"],
-                       summary["health_hint"])
+        # The same words as a completed run's closing line (cli._print_summary).
+        logger.warning("plexus: warning: training %s (detected at step %s): %s", summary["health"],
+                       summary["health_step"], summary["health_hint"])
     return summary
 
 
