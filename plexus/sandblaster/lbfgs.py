@@ -367,8 +367,9 @@ def _cubic_interpolate(x1: float, f1: float, g1: float, x2: float, f2: float, g2
 
 
 class LocalVectors:
-    """Slots as whole tensors in one process: the same commands, executed in place (used
-    by the shards on their ranges and by tests)."""
+    """Slots as whole tensors in one process: the same commands, executed in place (the
+    shards run every command of a program through it, on their ranges; tests use it
+    whole)."""
 
     def __init__(self, numel: int, dtype: torch.dtype = torch.float32) -> None:
         self.numel, self.dtype = numel, dtype
@@ -396,9 +397,11 @@ class LocalVectors:
             out.add_(self[src], alpha=coef)
         self[dst].copy_(out)
 
+    # Reductions accumulate in float64 whatever the slots' dtype: a shard's partial sums
+    # are added on the coordinator, and float32 partials would lose what float64 keeps.
     def dots(self, pairs: Sequence[tuple[int, int]]) -> list[float]:
         self.trips += 1
-        return [float(self[a].dot(self[b])) for a, b in pairs]
+        return [float(self[a].double().dot(self[b].double())) for a, b in pairs]
 
     def absmax(self, slot: int) -> float:
         self.trips += 1
@@ -406,9 +409,11 @@ class LocalVectors:
 
     def abssum(self, slot: int) -> float:
         self.trips += 1
-        return float(self[slot].abs().sum())
+        return float(self[slot].double().abs().sum())
 
     def gram(self, slots: Sequence[int]) -> torch.Tensor:
         self.trips += 1
-        basis = torch.stack([self[s] for s in slots])
-        return (basis @ basis.T).to(torch.float64)
+        if not slots:
+            return torch.zeros(0, 0, dtype=torch.float64)
+        basis = torch.stack([self[s].double() for s in slots])
+        return basis @ basis.T

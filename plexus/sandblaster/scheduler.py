@@ -169,9 +169,8 @@ class Claims:
         if ticket < units:
             self.store.set(self._key("owner", ticket), str(self.rank))
             return ticket
-        done = self.store.add(self._key("ndone"), 0)
         outstanding = [u for u in range(units) if not self.store.check([self._key("done", u)])]
-        if not outstanding or done >= units:
+        if not outstanding:
             return None
         backup = self.backup_after > 0 and len(outstanding) <= self.backup_after * units
         for unit in outstanding:

@@ -68,14 +68,13 @@ def run_program(vectors: LocalVectors, ints: list[int], floats: list[float], sta
             vectors.lincomb(dst, list(zip(floats[f: f + n], extra)))
             f += n
         elif op == Op.DOT:
-            out.append(float(vectors[src].double().dot(vectors[other].double())))
+            out += vectors.dots([(src, other)])
         elif op == Op.ABSMAX:
-            out.append(float(vectors[src].abs().max()) if vectors.numel else 0.0)
+            out.append(vectors.absmax(src))
         elif op == Op.ABSSUM:
-            out.append(float(vectors[src].double().abs().sum()))
+            out.append(vectors.abssum(src))
         elif op == Op.GRAM:
-            basis = torch.stack([vectors[s].double() for s in extra]) if extra else torch.zeros(0, vectors.numel)
-            out += (basis @ basis.T).reshape(-1).tolist()
+            out += vectors.gram(extra).reshape(-1).tolist()
         elif op == Op.OPEN:
             vectors[Slot.ACC].zero_()
             if state is not None:

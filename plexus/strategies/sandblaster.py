@@ -145,8 +145,6 @@ class SandblasterStrategy(Strategy):
         t0 = float(ctx.store.get("train/t0").decode())
         from plexus.train.runner import total_steps
         iterations = total_steps(cfg, coordinator.steps_per_epoch)
-        if iterations >= 2**62:
-            iterations = 2**62
         stop_requested = lambda: ctx.store.check([_STOP_REQUEST])  # noqa: E731
         try:
             record = coordinator.run(iterations, cfg.run.time_limit, start=t0, stopped=stop_requested)
