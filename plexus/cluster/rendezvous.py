@@ -31,7 +31,7 @@ import torch.distributed as dist
 from plexus.errors import CommTimeout, ConfigError, PeerLost
 
 __all__ = ["ProcessInfo", "gloo_interface_towards", "host_store", "connect_store", "await_listener", "new_token", "job_namespace",
-           "store_get_json", "store_set_json", "wait_keys", "store_barrier"]
+           "store_get_json", "store_set_json", "wait_keys", "store_barrier", "lost_key", "first_line"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +68,9 @@ class ProcessInfo:
     local_rank: int = 0
     # True when this process must host the store (torchrun without an agent store).
     hosts_store: bool = False
+    # True when this process's token is the job's: torchrun's global rank 0 (our own
+    # launcher stamps the token before it starts anyone).
+    stamps_token: bool = False
 
     @property
     def name(self) -> str:
@@ -96,7 +99,8 @@ class ProcessInfo:
             token = "plexus-default-token"
         return cls(role=role, rank=rank, world_size=int(env.get("PLEXUS_WORKERS", env["WORLD_SIZE"])),
                    master_addr=env["MASTER_ADDR"], master_port=int(env["MASTER_PORT"]), token=token,
-                   local_rank=int(env.get("LOCAL_RANK", "0")), hosts_store=hosts)
+                   local_rank=int(env.get("LOCAL_RANK", "0")), hosts_store=hosts,
+                   stamps_token="PLEXUS_ROLE" not in env and int(env["RANK"]) == 0)
 
 
 def _interface_of(address: str) -> str | None:
@@ -199,7 +203,7 @@ def host_store(host: str, port: int, token: str, timeout: float) -> dist.TCPStor
     return store
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     """c10d's errors carry the C++ stack after their first line: keep the message."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
@@ -219,14 +223,20 @@ def connect_store(info: ProcessInfo, timeout: float) -> dist.PrefixStore:
                                   timeout=dt.timedelta(seconds=timeout))
     except (RuntimeError, OSError) as exc:
         raise PeerLost(f"{info.name}: cannot reach the rendezvous store at {info.master_addr}:"
-                       f"{info.master_port} within {timeout:g} s: {_first_line(exc)}", peer="store") from None
-    # The first process to arrive stamps the digest (our launcher already has; under
-    # torchrun's agent store the first worker does), atomically; the rest compare.
+                       f"{info.master_port} within {timeout:g} s: {first_line(exc)}", peer="store") from None
+    # Global rank 0 stamps the digest (under our launcher the store already holds it); every
+    # other process waits for it and compares, so a process with the wrong token is the one
+    # refused, whichever arrives first.
     try:
-        theirs = store.compare_set(_DIGEST_KEY, "", _digest(info.token)).decode()
+        if info.stamps_token:
+            theirs = store.compare_set(_DIGEST_KEY, "", _digest(info.token)).decode()
+        else:
+            store.wait([_DIGEST_KEY], dt.timedelta(seconds=timeout))
+            theirs = store.get(_DIGEST_KEY).decode()
     except RuntimeError as exc:
-        raise CommTimeout(f"{info.name}: the store at {info.master_addr}:{info.master_port} did not "
-                          f"answer within {timeout:g} s: {_first_line(exc)}", peer="store") from None
+        raise CommTimeout(f"{info.name}: the store at {info.master_addr}:{info.master_port} did not give the "
+                          f"job's token within {timeout:g} s (is global rank 0 running?): {first_line(exc)}",
+                          peer="store") from None
     if theirs != _digest(info.token):
         raise ConfigError(f"{info.name}: refused by the job at {info.master_addr}:{info.master_port}: "
                           f"the job token does not match; set PLEXUS_TOKEN to the job's token")
@@ -249,6 +259,13 @@ def await_listener(host: str, port: int, timeout: float, what: str) -> None:
                 raise ConfigError(f"nothing listens at {host}:{port} ({why}, tried for {timeout:g} s): {what}") \
                     from None
             time.sleep(0.2)
+
+
+def lost_key(name: str) -> str:
+    """The key a process sets, with the reason, when it declares the peer ``name`` (``worker
+    1``, ``aggregator 0``) lost, so that the others, and whoever writes the summary, stop
+    waiting for it."""
+    return f"lost/{name}"
 
 
 def store_set_json(store: dist.Store, key: str, value: Any) -> None:

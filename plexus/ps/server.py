@@ -24,7 +24,7 @@ that is still starting); a worker that joins later registers through the store
 (finished), or is lost: its link broke, it broke the protocol, or its heartbeat counter in
 the store stood still for ``--peer-timeout`` seconds (``--timeout`` before its first beat).
 Its pushes already received are still applied, so nothing acknowledged is lost; a server
-that declares a worker lost writes ``ps/lost/<w>`` so the other servers drop it too.
+that declares a worker lost writes ``lost/worker <w>`` so the other servers drop it too.
 
 End. Once no worker is live and nothing is pending, the shard is *drained*: the server
 writes ``ps/drained/<s>`` (server 0 names there the worker that evaluates the final model),
@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from plexus.cluster.group import Link
+from plexus.cluster.rendezvous import lost_key
 from plexus.cluster.traffic import Traffic
 from plexus.config import JobConfig
 from plexus.errors import CommError, CommTimeout, ProtocolError
@@ -81,7 +82,7 @@ class KEYS:
 
     @staticmethod
     def lost(name: str) -> str:
-        return f"ps/lost/{name}"
+        return lost_key(name)
 
     @staticmethod
     def finished(worker: int) -> str:

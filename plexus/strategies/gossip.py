@@ -61,6 +61,7 @@ from typing import Any
 import torch
 
 from plexus.cluster.group import Link
+from plexus.cluster.rendezvous import lost_key
 from plexus.collectives.base import comm_executor
 from plexus.config import JobConfig
 from plexus.decentral.averaging import FlatParameters, mix
@@ -312,14 +313,14 @@ class GossipStrategy(Strategy):
         self._say_goodbye()
         self._wait_for_listeners()
         for peer in sorted(self.lost):
-            store.set(f"gossip/lost/{peer}", "1")
+            store.set(lost_key(f"worker {peer}"), "no answer in AD-PSGD")
         with self.lock:
             mine = self.params.flat.detach().cpu().clone()
         leave_replica(store, "gossip", self.rank, mine)
         if self.rank != 0:
             return {}
         replicas = collect_replicas(store, "gossip", mine, self.topology.size, self.ctx.cfg.cluster.timeout,
-                                    gone=lambda r: store.check([f"gossip/lost/{r}"]))
+                                    gone=lambda r: store.check([lost_key(f"worker {r}")]))
         mean, self.final = final_consensus(replicas)
         self.holder_flat.flat.copy_(mean)
         return dict(self.final)

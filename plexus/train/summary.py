@@ -8,9 +8,11 @@ the loss of any worker), or worker 0 under torchrun.
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
-from plexus.cluster.rendezvous import store_get_json, wait_keys
+from plexus.cluster.rendezvous import lost_key, store_get_json
+from plexus.errors import CommTimeout
 from plexus.config import JobConfig
 from plexus.config.applies import applies
 from plexus.config.defaults import is_asynchronous
@@ -26,25 +28,44 @@ def _present(store, key: str) -> bool:
     return store.check([key])
 
 
+def _await_records(store, role: str, ranks: list[int], wait: float) -> list[int]:
+    """Wait up to ``wait`` seconds until every rank of ``role`` has left its record or was
+    declared lost by a peer (``lost_key``); returns the ranks declared lost."""
+    deadline = time.monotonic() + wait
+    while True:
+        lost = [r for r in ranks if store.check([lost_key(f"{role} {r}")])]
+        missing = [r for r in ranks if r not in lost and not store.check([f"stats/{role}/{r}"])]
+        if not missing:
+            return lost
+        if time.monotonic() >= deadline:
+            keys = ", ".join(f"stats/{role}/{r}" for r in missing)
+            raise CommTimeout(f"timed out after {wait:g} s waiting for the final records of every {role}: "
+                              f"missing {keys}", peer=keys)
+        time.sleep(0.05)
+
+
 def collect_records(cfg: JobConfig, store, lost: dict[str, list[int]] | None = None,
                     wait: float | None = None) -> dict[str, Any]:
     """The final records of every process that was not lost: {"worker": {r: ...},
-    "server": {...}, ..., "eval": {...}}. With ``wait``, wait that long for the records of
-    live processes (torchrun, where they may still be finishing)."""
-    lost = lost or {}
+    "server": {...}, ..., "eval": {...}, "lost": {role: [ranks]}}. With ``wait``, wait that
+    long for the records of live processes (torchrun, where they may still be finishing, and
+    where a lost process is known only by the peer that declared it lost)."""
+    lost = {role: list(ranks) for role, ranks in (lost or {}).items()}
     cls = strategy_class(cfg.strategy.strategy)
     counts = {"worker": cfg.cluster.workers + cls.joined_workers(store), **dict(cls.extra_roles(cfg))}
     records: dict[str, Any] = {}
     for role, count in counts.items():
-        keys = {r: f"stats/{role}/{r}" for r in range(count) if r not in lost.get(role, [])}
         if wait is not None:
-            wait_keys(store, list(keys.values()), wait, f"the final records of every {role}")
+            declared = _await_records(store, role, [r for r in range(count) if r not in lost.get(role, [])], wait)
+            if declared:
+                lost[role] = sorted(set(lost.get(role, [])) | set(declared))
         # A lost process may have left a record before it ended (a worker whose loss became
         # non-finite says so); a killed one has none.
-        keys.update({r: f"stats/{role}/{r}" for r in lost.get(role, []) if r < count})
+        keys = {r: f"stats/{role}/{r}" for r in range(count)}
         records[role] = {r: store_get_json(store, k) for r, k in keys.items() if _present(store, k)}
     records["eval"] = store_get_json(store, "stats/eval") if _present(store, "stats/eval") else {}
     records["target"] = store_get_json(store, "stats/target") if _present(store, "stats/target") else {}
+    records["lost"] = {role: ranks for role, ranks in lost.items() if ranks}
     return records
 
 
@@ -61,7 +82,7 @@ def assemble_summary(cfg: JobConfig, records: dict[str, Any], lost: dict[str, li
         steps = sum(w["steps"] for w in workers.values())
         samples = steps * (cfg.run.batch_size // cfg.cluster.workers)
     sent = [workers[r]["bytes_sent"] if r in workers else None for r in range(cfg.cluster.workers)]
-    others = sum(rec["bytes_sent"] for role, recs in records.items() if role not in ("worker", "eval", "target")
+    others = sum(rec["bytes_sent"] for role, recs in records.items() if role not in ("worker", "eval", "target", "lost")
                  for rec in recs.values())
     summary: dict[str, Any] = {
         "strategy": cfg.strategy.strategy,
@@ -111,7 +132,7 @@ def _figures(cfg: JobConfig, records: dict[str, Any], summary: dict[str, Any], s
     count = max([cfg.cluster.workers, *(r + 1 for r in workers)])
     by_role: dict[str, int] = {"worker": sum(b for b in sent if b is not None)}
     for role, recs in records.items():
-        if role not in ("worker", "eval", "target") and recs:
+        if role not in ("worker", "eval", "target", "lost") and recs:
             by_role[role] = sum(rec["bytes_sent"] for rec in recs.values())
     # Joined workers (ps) count as workers too.
     by_role["worker"] += sum(w["bytes_sent"] for r, w in workers.items() if r >= cfg.cluster.workers)
