@@ -11,6 +11,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -18,13 +19,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from plexus.cluster.launcher import RoleSpec, launch
-from plexus.cluster.rendezvous import (ProcessInfo, connect_store, gloo_interface_towards, host_store,
-                                       job_namespace, new_token, store_set_json)
+from plexus.cluster.liveness import Pulse, explain_loss
+from plexus.cluster.rendezvous import (ProcessInfo, connect_store, first_line, gloo_interface_towards,
+                                       host_store, job_namespace, new_token, store_set_json)
 from plexus.collectives import get_algorithm
 from plexus.config import JobConfig
-from plexus.errors import ConfigError, JobFailed, JobInterrupted
+from plexus.errors import CommError, ConfigError, JobFailed, JobInterrupted, PeerLost
 from plexus.strategies import strategy_class
 from plexus.train.data import load_dataset
 from plexus.train.models import build_model
@@ -317,7 +320,7 @@ def run_torchrun(cfg: JobConfig) -> dict[str, Any] | None:
     from the role plan (train/plan.py) at its global RANK of WORLD_SIZE. Worker 0 writes
     the run directory and returns the summary; every other process returns None."""
     import dataclasses
-    from plexus.train.plan import plan_for_world
+    from plexus.train.plan import Slot, plan_for_world
     from plexus.train.preflight import check_applies
     info = ProcessInfo.from_env()
     gloo_interface_towards(info.master_addr)  # before any link is made
@@ -328,16 +331,33 @@ def run_torchrun(cfg: JobConfig) -> dict[str, Any] | None:
     slot = slots[global_rank]
     info = dataclasses.replace(info, role=slot.role, rank=slot.rank, world_size=cfg.cluster.workers)
     store = connect_store(info, cfg.cluster.timeout)
-    if slot.role != "worker":
-        role_main(cfg, info, store, None)
+    pulse = Pulse(store, info.name, info.master_addr, cfg.cluster.timeout)
+    run_dir = None
+    try:
+        if slot.role != "worker":
+            role_main(cfg, info, store, None)
+        else:
+            if info.rank == 0:
+                warn_risks(cfg)
+                run_dir = prepare_run_dir(cfg)
+            worker_main(cfg, info, store, run_dir)
+        pulse.finish()
+    except dist.DistError as exc:
+        # The store or a gloo peer went away under this process (its host was cut off, or
+        # the job ended without it): one line naming who and where, not c10d's C++ stack.
+        raise PeerLost(f"{info.name} on {socket.gethostname()}: lost the job at {info.master_addr}:"
+                       f"{info.master_port}: {first_line(exc)}", peer="store") from None
+    except CommError as exc:
+        # No launcher watches the other hosts: name the processes that went silent.
+        raise explain_loss(exc, store, info.name, [s.name for s in slots], info.master_addr) from None
+    finally:
+        pulse.stop()
+    if slot != Slot("worker", 0):
         return None
-    if info.rank == 0:
-        warn_risks(cfg)
-    run_dir = prepare_run_dir(cfg) if info.rank == 0 else None
-    worker_main(cfg, info, store, run_dir)
-    if info.rank != 0:
-        return None
-    summary = assemble_summary(cfg, collect_records(cfg, store, wait=cfg.cluster.timeout))
+    # Under torchrun no launcher sees a process die: a peer that declared one lost says so in
+    # the store, and the records wait only for the others.
+    records = collect_records(cfg, store, wait=cfg.cluster.timeout)
+    summary = assemble_summary(cfg, records, records["lost"])
     summary["status"] = "completed"
     if run_dir is not None:
         write_summary(run_dir, summary)

@@ -48,12 +48,16 @@ def role_plan(cfg: JobConfig) -> list[Slot]:
     return others + workers if cfg.cluster.place == "roles-first" else workers + others
 
 
-def _with_workers(cfg: JobConfig, workers: int) -> JobConfig | None:
+def _with_workers(cfg: JobConfig, workers: int, why: list[str] | None = None) -> JobConfig | None:
+    """``cfg`` with ``workers`` workers; None (the reason appended to ``why``) where that
+    many cannot run it, e.g. a batch size that does not split over them."""
     if cfg.cluster.workers == workers:
         return cfg
     try:
         return cfg.replace(workers=workers)
-    except ConfigError:  # e.g. a batch size that this many workers cannot split
+    except ConfigError as exc:
+        if why is not None:
+            why.append(str(exc))
         return None
 
 
@@ -62,8 +66,12 @@ def plan_for_world(cfg: JobConfig, world_size: int) -> tuple[JobConfig, list[Slo
     processes; ConfigError, naming the world sizes that fit, when none does."""
     fits: list[int] = []
     for workers in range(1, world_size + 1):
-        sized = _with_workers(cfg, workers)
+        why: list[str] = []
+        sized = _with_workers(cfg, workers, why)
         if sized is None:
+            if len(role_plan(cfg)) - cfg.cluster.workers + workers == world_size and why:
+                raise ConfigError(f"world size {world_size} means {workers} workers for strategy "
+                                  f"{cfg.strategy.strategy}, which cannot run this job: {why[0]}")
             continue
         slots = role_plan(sized)
         if len(slots) == world_size:
@@ -74,11 +82,11 @@ def plan_for_world(cfg: JobConfig, world_size: int) -> tuple[JobConfig, list[Slo
         sized = _with_workers(cfg, workers)
         if sized is not None and len(fits) < 6:
             fits.append(len(role_plan(sized)))
-    roles = ", ".join(f"{count} {role}{'s' if count != 1 else ''}"
-                      for role, count in strategy_class(cfg.strategy.strategy).extra_roles(cfg)) or "no other role"
+    extra = strategy_class(cfg.strategy.strategy).extra_roles(cfg)
+    roles = ", ".join(f"{count} {role}{'s' if count != 1 else ''}" for role, count in extra) or "no other role"
+    fix = "start that many processes, or change --servers" if extra else "start that many processes"
     raise ConfigError(f"world size {world_size} does not fit strategy {cfg.strategy.strategy} ({roles} besides the "
-                      f"workers): world sizes that fit are {', '.join(map(str, sorted(set(fits))))}; start that "
-                      f"many processes, or change --servers")
+                      f"workers): world sizes that fit are {', '.join(map(str, sorted(set(fits))))}; {fix}")
 
 
 def format_plan(slots: list[Slot], per_node: int | None = None) -> str:
