@@ -15,11 +15,13 @@ import contextlib
 import os
 import random
 import shutil
+import signal
 import subprocess
+import sys
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-__all__ = ["Host", "hosts", "on_host", "skip_reason"]
+__all__ = ["Host", "hosts", "on_host", "start_train", "kill_host", "link_down", "kill_all", "pids", "skip_reason"]
 
 
 def skip_reason() -> str | None:
@@ -36,6 +38,7 @@ class Host:
     namespace: str
     name: str
     address: str
+    link: str  # its interface onto the bridge
 
 
 def _ip(*args: str) -> None:
@@ -73,7 +76,7 @@ def hosts(count: int, rate: str | None = None) -> Iterator[list[Host]]:
             if rate:
                 subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", inside, "root", "tbf",
                                 "rate", rate, "burst", "64kb", "latency", "50ms"], check=True, capture_output=True)
-            found.append(Host(ns, f"host{i}", address))
+            found.append(Host(ns, f"host{i}", address, inside))
         yield found
     finally:
         for ns in reversed(made):
@@ -88,3 +91,56 @@ def on_host(host: Host, argv: Sequence[str], env: dict[str, str], **popen) -> su
     return subprocess.Popen(["ip", "netns", "exec", host.namespace, "unshare", "--uts", "--mount",
                              "--propagation", "private", "sh", "-c", script, "sh", *argv],
                             env=env, start_new_session=True, **popen)
+
+
+def start_train(found: list[Host], per_node: list[int], flags: list[str], out, port: int, agent: bool = True
+                ) -> list[subprocess.Popen]:
+    """``plexus train FLAGS`` with node i's per_node[i] processes on host i: under a torchrun
+    agent per host, or (``agent=False``) as bare processes with the environment torchrun
+    gives them, so that a test sees each process's own exit status."""
+    env = {**os.environ, "PLEXUS_TOKEN": "many-hosts", "MPLCONFIGDIR": "/tmp/plexus-mpl"}
+    master = found[0].address
+    train = ["-m", "plexus.cli", "train", *flags, "--host", master, "--quiet", "--json", "--out", str(out)]
+    procs = []
+    for node, (host, nproc) in enumerate(zip(found, per_node)):
+        if agent:
+            argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(per_node)),
+                    "--node-rank", str(node), "--nproc-per-node", str(nproc), "--master-addr", master,
+                    "--master-port", str(port), *train]
+            procs.append(on_host(host, argv, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            continue
+        first = sum(per_node[:node])
+        for local in range(nproc):
+            ranks = {"RANK": str(first + local), "WORLD_SIZE": str(sum(per_node)), "LOCAL_RANK": str(local),
+                     "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": str(node), "MASTER_ADDR": master,
+                     "MASTER_PORT": str(port)}
+            procs.append(on_host(host, [sys.executable, *train], {**env, **ranks}, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def pids(host: Host) -> list[int]:
+    """The processes left in ``host``'s namespace."""
+    out = subprocess.run(["ip", "netns", "pids", host.namespace], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def kill_host(host: Host) -> None:
+    """SIGKILL every process on ``host``: the machine is gone."""
+    for pid in pids(host):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def link_down(host: Host) -> None:
+    """Take ``host``'s only link down: it is cut off, its processes still run."""
+    _ip("-n", host.namespace, "link", "set", host.link, "down")
+
+
+def kill_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()

@@ -1,10 +1,13 @@
 """cluster/: launcher hygiene, rendezvous and tokens, links, counters, timeouts, emulation."""
 from __future__ import annotations
 
+import dataclasses
+import datetime as dt
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -123,6 +126,28 @@ def test_token_is_checked_at_rendezvous():
     connect_store(_info(token, store.port), timeout=5)
     with pytest.raises(ConfigError, match="token does not match"):
         connect_store(_info("wrong-token", store.port), timeout=5)
+
+
+def test_under_torchrun_the_process_with_the_wrong_token_is_refused_even_when_it_comes_first():
+    """torchrun's agent store holds no token: global rank 0's token is the job's. A rank
+    with another token that arrives first waits for rank 0's, and is the one refused."""
+    agent = dist.TCPStore("127.0.0.1", 0, None, is_master=True, timeout=dt.timedelta(seconds=5),
+                          wait_for_workers=False)
+    errors = []
+
+    def early() -> None:
+        info = dataclasses.replace(_info("wrong-token", agent.port), rank=1)
+        try:
+            connect_store(info, timeout=5)
+        except ConfigError as exc:
+            errors.append(str(exc))
+
+    thread = threading.Thread(target=early)
+    thread.start()
+    time.sleep(0.3)  # rank 1 is waiting for the token
+    connect_store(dataclasses.replace(_info("right-token", agent.port), stamps_token=True), timeout=5)
+    thread.join(timeout=10)
+    assert len(errors) == 1 and "worker 1: refused" in errors[0] and "token does not match" in errors[0]
 
 
 def test_port_in_use_is_a_config_error():
