@@ -127,6 +127,21 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
           help="print every effective value and its source (flag, file, default, default for ps/asp) and exit")
 
 
+# Flags of `plexus train` that say how its processes start, not what the job is.
+LAUNCHER_KEYS = ("launcher", "ray_address", "ray_server_resource")
+
+
+def add_launcher_arguments(parser: argparse.ArgumentParser) -> None:
+    """How ``plexus train`` starts the job's processes (``train/ray_job.py`` for Ray)."""
+    g = parser.add_argument_group("launcher")
+    _flag(g, "launcher", choices=["local", "ray"],
+          help="local: every process on this machine (default); ray: one Ray actor per process (plexus[ray])")
+    _flag(g, "ray-address", metavar="ADDR",
+          help="the Ray cluster's head, HOST:PORT (default: RAY_ADDRESS, else a Ray instance on this machine)")
+    _flag(g, "ray-server-resource", metavar="NAME",
+          help="place servers, aggregators and the coordinator on nodes that advertise custom resource NAME")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="plexus", description="Distributed training under every classic architecture.",
                      argument_default=argparse.SUPPRESS)
@@ -134,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     train = sub.add_parser("train", help="train one job", argument_default=argparse.SUPPRESS)
     add_job_arguments(train)
+    add_launcher_arguments(train)
     compare = sub.add_parser("compare", help="run several strategies on the same model, data and seed",
                              argument_default=argparse.SUPPRESS)
     compare.add_argument("specs", nargs="+", metavar="SPEC",
@@ -196,7 +212,7 @@ def job_config(args: argparse.Namespace, extra: dict[str, Any] | None = None):
     source (file, flag, spec) and the keys left unset take their strategy's defaults."""
     from plexus.config import JobConfig
     flat = vars(args).copy()
-    for key in ("command", "specs", "config", "print_config", "print_plan"):
+    for key in ("command", "specs", "config", "print_config", "print_plan", *LAUNCHER_KEYS):
         flat.pop(key, None)
     merged = _load_toml(args.config) if getattr(args, "config", None) else {}
     merged = {k.replace("-", "_"): v for k, v in merged.items()}
@@ -298,6 +314,7 @@ class _Progress:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from plexus.errors import ConfigError
     from plexus.train.job import run_local, run_torchrun
     cfg = job_config(args)
     if getattr(args, "print_config", False):
@@ -306,7 +323,28 @@ def _train(args: argparse.Namespace) -> int:
     if getattr(args, "print_plan", None) is not None:
         _print_plan(cfg, args.print_plan or int(os.environ.get("WORLD_SIZE", "0")))
         return 0
-    if "RANK" in os.environ and "PLEXUS_ROLE" not in os.environ:
+    launcher = getattr(args, "launcher", "local")
+    if launcher != "ray":
+        for key in LAUNCHER_KEYS[1:]:
+            if hasattr(args, key):
+                flag = "--" + key.replace("_", "-")
+                raise ConfigError(f"{flag} applies to --launcher ray only: pass --launcher ray, or drop {flag}")
+    under_torchrun = "RANK" in os.environ and "PLEXUS_ROLE" not in os.environ
+    if launcher == "ray":
+        if under_torchrun:
+            raise ConfigError("--launcher ray starts the job's processes itself, and this one was started by "
+                              "torchrun (RANK is set): run plexus train --launcher ray once, outside torchrun")
+        from plexus.train.ray_job import RayOptions, run_ray
+        options = RayOptions(address=getattr(args, "ray_address", None),
+                             server_resource=getattr(args, "ray_server_resource", None))
+        if cfg.run.quiet:
+            run_dir, summary = run_ray(cfg, options)
+        else:
+            with _Progress(live=sys.stderr.isatty(), time_limit=cfg.run.time_limit) as progress:
+                run_dir, summary = run_ray(cfg, options, poll=progress.poll)
+        _print_summary(summary, run_dir, cfg.run.json)
+        return 0
+    if under_torchrun:
         summary = run_torchrun(cfg)
         if summary is not None:
             _print_summary(summary, cfg.run.out or "", cfg.run.json)
