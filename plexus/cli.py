@@ -160,7 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--out", default=None, help="output folder (default: the run directory)")
     worker = sub.add_parser("worker", help="join a running job as one more worker (token from PLEXUS_TOKEN)")
     worker.add_argument("--join", required=True, metavar="HOST:PORT", help="the job's rendezvous store")
-    worker.add_argument("--timeout", type=float, default=60.0, help="seconds any blocking operation waits (default 60)")
+    worker.add_argument("--timeout", type=float, default=None,
+                        help="seconds any blocking operation of this worker waits (default: 60 until it has "
+                             "joined, then the job's --timeout)")
     worker.add_argument("--debug", action="store_true", help="verbose logs and tracebacks")
     bench = sub.add_parser("bench", help="benchmarks that print tables")
     which = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
@@ -570,6 +572,7 @@ def _worker(args: argparse.Namespace) -> int:
     ``sandblaster`` job. It reads
     the job's configuration from the store, takes the next free rank, and trains as the
     job's workers do, from the current weights."""
+    import dataclasses
     from plexus.cluster.rendezvous import ProcessInfo, await_listener, connect_store
     from plexus.config import JobConfig
     from plexus.errors import ConfigError
@@ -577,6 +580,10 @@ def _worker(args: argparse.Namespace) -> int:
     from plexus.strategies.sandblaster import SandblasterStrategy
     from plexus.train.data import load_dataset
     from plexus.train.runner import worker_main
+    given = args.timeout
+    if given is not None and not given > 0:
+        raise ConfigError(f"--timeout must be > 0 seconds, got {given:g}")
+    args.timeout = 60.0 if given is None else given
     host, _, port = args.join.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(f"--join must be HOST:PORT, got {args.join!r}: pass the address of the job's store, "
@@ -602,6 +609,8 @@ def _worker(args: argparse.Namespace) -> int:
         strategy = joinable[job["strategy"]]
     record = strategy.job_record(store, args.timeout)
     cfg = JobConfig.from_dict(record["config"])
+    if given is not None:  # this worker's own waits; the job's other processes keep theirs
+        cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, timeout=given))
     rank = strategy.admit(store, cfg)
     info = ProcessInfo(role="worker", rank=rank, world_size=cfg.cluster.workers, master_addr=host,
                        master_port=int(port), token=token)

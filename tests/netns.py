@@ -63,7 +63,7 @@ def hosts(count: int, rate: str | None = None) -> Iterator[list[Host]]:
             ns = f"{tag}-h{i}"
             _ip("netns", "add", ns)
             made.append(ns)
-            inside, outside = f"h{i}x{net}", f"s{i}x{net}"
+            inside, outside = f"{tag}h{i}", f"{tag}s{i}"  # unique per process: veths start in the root namespace
             _ip("link", "add", inside, "type", "veth", "peer", "name", outside)
             _ip("link", "set", inside, "netns", ns)
             _ip("link", "set", outside, "netns", switch)

@@ -34,6 +34,7 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.parallel
 @pytest.mark.parametrize("dataset", list(STEPS))
 @pytest.mark.parametrize("label", [label for label in MATRIX if label != REFERENCE])
 def test_learns_with_its_defaults(label, dataset, reference, tmp_path):

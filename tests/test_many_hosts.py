@@ -66,6 +66,7 @@ SYNCHRONOUS = {
 
 
 @pytest.mark.slow
+@pytest.mark.parallel
 @pytest.mark.parametrize("case", list(SYNCHRONOUS))
 def test_a_synchronous_job_across_two_hosts_gives_the_model_of_one_host(tmp_path, case):
     per_node, flags, tol = SYNCHRONOUS[case]
@@ -88,6 +89,7 @@ ASYNCHRONOUS = {
 
 
 @pytest.mark.slow
+@pytest.mark.parallel
 @pytest.mark.parametrize("case", list(ASYNCHRONOUS))
 def test_an_asynchronous_job_across_two_hosts_learns_as_on_one_host(tmp_path, case):
     per_node, flags, workers = ASYNCHRONOUS[case]

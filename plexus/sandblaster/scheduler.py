@@ -12,7 +12,7 @@ outstanding:
 
 - a backup copy, once at most ``backup_after`` of the units is outstanding (at most one
   backup per unit);
-- a re-run, when the unit's owner was declared lost (``sb/lost/r``, set by the shards when
+- a re-run, when the unit's owner was declared lost (``lost/worker r``, set by the shards when
   its link breaks), whatever ``backup_after``.
 
 Exactly once. Shards add a unit's gradient only the first time they see its id
@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from plexus.cluster.rendezvous import wait_keys
+from plexus.cluster.rendezvous import lost_key, wait_keys
 from plexus.errors import CommTimeout
 
 __all__ = ["units_of", "Opening", "open_evaluation", "stop", "wait_complete", "Claims", "mark_lost", "PREFIX"]
@@ -71,7 +71,7 @@ def stop(store: dist.Store, evaluation: int) -> None:
 
 
 def mark_lost(store: dist.Store, rank: int) -> None:
-    store.set(f"{PREFIX}/lost/{rank}", "1")
+    store.set(lost_key(f"worker {rank}"), "its link to a shard broke")
 
 
 def wait_complete(store: dist.Store, opening: Opening, timeout: float) -> None:
@@ -178,7 +178,7 @@ class Claims:
             owner = self.store.get(owner_key).decode() if self.store.check([owner_key]) else None
             if owner == str(self.rank):
                 continue
-            if owner is not None and self.store.check([f"{PREFIX}/lost/{owner}"]) \
+            if owner is not None and self.store.check([lost_key(f"worker {owner}")]) \
                     and self.store.add(self._key("rerun", unit, owner), 1) == 1:
                 self.reruns += 1
                 return unit

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from plexus.cluster.group import Link
-from plexus.cluster.rendezvous import store_set_json
+from plexus.cluster.rendezvous import lost_key, store_set_json
 from plexus.config import JobConfig
 from plexus.decentral.averaging import FlatParameters, elastic_difference
 from plexus.errors import CommError, ProtocolError
@@ -143,7 +143,7 @@ class EasgdStrategy(Strategy):
                 # then the latest centre, as the last exchange of every worker left it.
                 replicas = collect_replicas(store, "easgd", self.params.flat, self.ctx.info.world_size,
                                             self.ctx.cfg.cluster.timeout,
-                                            gone=lambda r: store.check([f"easgd/lost/{r}"]))
+                                            gone=lambda r: store.check([lost_key(f"worker {r}")]))
                 self.consensus = final_consensus(replicas)[1]
                 self.outbox.zero_()
                 self.outbox[0] = _OP_FETCH
@@ -266,4 +266,4 @@ class _CentreServer:
         with self.lock:
             self.lost.append(rank)
             # Worker 0 then stops waiting for the lost worker's final replica.
-            self.ctx.store.set(f"easgd/lost/{rank}", "1")
+            self.ctx.store.set(lost_key(f"worker {rank}"), str(exc))
