@@ -9,11 +9,14 @@ command differ by +-5 points from one run to the next (measured). A row below 0.
 seed 0 is measured again, with the reference, at seed 1, and must reach 0.9x on the mean
 of the two seeds: one run of an asynchronous strategy is a sample, not a verdict. A row
 flagged unhealthy at seed 0 is measured at seed 1 instead, which must be healthy and
-reach 0.9x of the reference at seed 1.
+reach 0.9x of the reference at seed 1. ``make test`` runs the rows three at a time.
 """
 from __future__ import annotations
 
+import json
+
 import pytest
+from filelock import FileLock
 
 from plexus.bench.defaults import DEFAULT_STEPS, MATRIX, REFERENCE, train_one
 
@@ -22,21 +25,33 @@ STEPS = DEFAULT_STEPS
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """Accuracy of allreduce per (dataset, seed), trained on first use."""
-    root, cache = tmp_path_factory.mktemp("reference"), {}
+    """Accuracy of allreduce per (dataset, seed), trained on first use: once for the whole
+    session, also under pytest-xdist, whose workers share the parent of their base temp
+    folders and take turns through a file lock."""
+    shared = tmp_path_factory.getbasetemp().parent
 
     def accuracy(dataset: str, seed: int) -> float:
-        if (dataset, seed) not in cache:
-            summary = train_one(dataset, REFERENCE, str(root / f"{dataset}-{seed}"), steps=STEPS[dataset], seed=seed)
-            cache[dataset, seed] = summary["final_test_accuracy"]
-        return cache[dataset, seed]
+        done = shared / f"defaults-reference-{dataset}-{seed}.json"
+        with FileLock(str(done) + ".lock", timeout=600):
+            if not done.exists():
+                summary = train_one(dataset, REFERENCE, str(shared / f"defaults-reference-{dataset}-{seed}"),
+                                    steps=STEPS[dataset], seed=seed)
+                done.write_text(json.dumps(summary["final_test_accuracy"]))
+        return json.loads(done.read_text())
     return accuracy
+
+
+# The all-reduce algorithms compute the reference's sum (tests/test_collectives.py checks it
+# exactly), with the same defaults: they differ from the reference only by rounding, which
+# 800 steps amplify (65-68 % on mnist1d against its 66 %, README table). Their rows are in
+# `plexus bench defaults`, not here.
+LABELS = [label for label in MATRIX if MATRIX[label]["strategy"] != "allreduce"]
 
 
 @pytest.mark.slow
 @pytest.mark.parallel
 @pytest.mark.parametrize("dataset", list(STEPS))
-@pytest.mark.parametrize("label", [label for label in MATRIX if label != REFERENCE])
+@pytest.mark.parametrize("label", LABELS)
 def test_learns_with_its_defaults(label, dataset, reference, tmp_path):
     seed = 0
     summary = train_one(dataset, label, str(tmp_path / "0"), steps=STEPS[dataset])

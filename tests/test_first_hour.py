@@ -319,7 +319,10 @@ def _interrupt(tmp_path: Path, sig: int, *extra: str, env: dict | None = None) -
                            env={**os.environ, **(env or {})})
     try:
         deadline = time.monotonic() + 120
-        while not any(e["step"] >= 20 for e in read_events(out, "train")) and job.poll() is None:
+        # Something measured to keep: 20 steps, and the first evaluation (its snapshot is
+        # evaluated beside training, and may land after step 20 on a loaded machine).
+        while not (any(e["step"] >= 20 for e in read_events(out, "train")) and any(read_events(out, "eval"))) \
+                and job.poll() is None:
             assert time.monotonic() < deadline, "training never started"
             time.sleep(0.2)
         job.send_signal(sig)
