@@ -9,8 +9,9 @@ reach. A process that cannot reach the store itself says so: it is the one cut o
 
 ``Pulse`` bumps ``pulse/<name>`` every ``PERIOD`` seconds from a daemon thread, on a
 connection of its own (a clone of the store client); ``where/<name>`` holds
-``host (address)``, and ``done/<name>`` marks a process that ended its part normally. ``silent(store, names)`` reads every counter, waits a few periods and
-reads again: the names whose counters did not move are silent.
+``host (address)``, and ``done/<name>`` marks a process that ended its part normally.
+``silent(store, names)`` reads every counter, waits a few periods and reads again: the
+names whose counters did not move, and that are not done, are silent.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import sys
 import threading
 import time
 
+from plexus.cluster.rendezvous import route_address
 from plexus.errors import CommError
 
 __all__ = ["Pulse", "silent", "explain_loss", "PERIOD"]
@@ -31,13 +33,10 @@ _WATCH = 4 * PERIOD  # how long a survivor watches the counters before it names 
 
 def _where(master_addr: str) -> str:
     """``host (address)``: this machine's name and its address on the route to the store."""
-    address = "?"
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((master_addr, 9))  # UDP: picks the route, sends nothing
-            address = probe.getsockname()[0]
+        address = route_address(master_addr)
     except OSError:
-        pass
+        address = "?"
     return f"{socket.gethostname()} ({address})"
 
 

@@ -31,7 +31,8 @@ import torch.distributed as dist
 from plexus.errors import CommTimeout, ConfigError, PeerLost
 
 __all__ = ["ProcessInfo", "gloo_interface_towards", "host_store", "connect_store", "await_listener", "new_token", "job_namespace",
-           "store_get_json", "store_set_json", "wait_keys", "store_barrier", "lost_key", "first_line"]
+           "store_get_json", "store_set_json", "wait_keys", "store_barrier", "lost_key", "first_line",
+           "route_address"]
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +120,14 @@ def _interface_of(address: str) -> str | None:
     return None
 
 
+def route_address(master_addr: str) -> str:
+    """This machine's IPv4 address on the route to ``master_addr`` (the kernel's choice, by
+    a UDP socket that connects and sends nothing). Raises OSError where there is no route."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((master_addr, 9))
+        return probe.getsockname()[0]
+
+
 def gloo_interface_towards(master_addr: str) -> str | None:
     """Point gloo at the interface that reaches ``master_addr``, unless the user chose one
     (``GLOO_SOCKET_IFNAME``) or the job stays on loopback; returns the interface chosen.
@@ -132,10 +141,7 @@ def gloo_interface_towards(master_addr: str) -> str | None:
     try:
         if ipaddress.ip_address(socket.gethostbyname(master_addr)).is_loopback:
             return None
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((master_addr, 9))  # UDP: picks the route, sends nothing
-            local = probe.getsockname()[0]
-        name = _interface_of(local)
+        name = _interface_of(route_address(master_addr))
     except OSError:
         return None
     if name is not None:

@@ -12,16 +12,20 @@ import time
 from typing import Any
 
 from plexus.cluster.rendezvous import lost_key, store_get_json
-from plexus.errors import CommTimeout
 from plexus.config import JobConfig
 from plexus.config.applies import applies
 from plexus.config.defaults import is_asynchronous
+from plexus.errors import CommTimeout
 from plexus.strategies import strategy_class
 from plexus.train.health import CHANCE_MARGIN, hint, worst
 from plexus.train.metrics import FIGURES
 
 __all__ = ["collect_records", "assemble_summary", "write_summary", "FIGURES"]
 
+
+
+# Entries of collect_records' result that are not the records of a role besides the workers.
+_NOT_OTHER_ROLES = ("worker", "eval", "target", "lost")
 
 
 def _present(store, key: str) -> bool:
@@ -82,7 +86,7 @@ def assemble_summary(cfg: JobConfig, records: dict[str, Any], lost: dict[str, li
         steps = sum(w["steps"] for w in workers.values())
         samples = steps * (cfg.run.batch_size // cfg.cluster.workers)
     sent = [workers[r]["bytes_sent"] if r in workers else None for r in range(cfg.cluster.workers)]
-    others = sum(rec["bytes_sent"] for role, recs in records.items() if role not in ("worker", "eval", "target", "lost")
+    others = sum(rec["bytes_sent"] for role, recs in records.items() if role not in _NOT_OTHER_ROLES
                  for rec in recs.values())
     summary: dict[str, Any] = {
         "strategy": cfg.strategy.strategy,
@@ -132,7 +136,7 @@ def _figures(cfg: JobConfig, records: dict[str, Any], summary: dict[str, Any], s
     count = max([cfg.cluster.workers, *(r + 1 for r in workers)])
     by_role: dict[str, int] = {"worker": sum(b for b in sent if b is not None)}
     for role, recs in records.items():
-        if role not in ("worker", "eval", "target", "lost") and recs:
+        if role not in _NOT_OTHER_ROLES and recs:
             by_role[role] = sum(rec["bytes_sent"] for rec in recs.values())
     # Joined workers (ps) count as workers too.
     by_role["worker"] += sum(w["bytes_sent"] for r, w in workers.items() if r >= cfg.cluster.workers)
