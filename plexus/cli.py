@@ -116,6 +116,8 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(g, "overwrite", action="store_const", const=True,
           help="write into an --out that holds files, replacing the earlier run's results")
     _flag(g, "save-model", action="store_const", const=True, help="write the final model's state_dict to DIR/model.pt")
+    _flag(g, "no-report", action="store_const", const=True,
+          help="no plots or index.html in the run directory (`plexus report DIR` draws them later)")
     _flag(g, "json", action="store_const", const=True, help="print the summary as JSON on the last stdout line")
     _flag(g, "quiet", action="store_const", const=True, help="no progress display")
     _flag(g, "debug", action="store_const", const=True, help="verbose logs and tracebacks")

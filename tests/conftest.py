@@ -15,6 +15,14 @@ sys.path.insert(0, str(HERE))
 os.environ.setdefault("MPLCONFIGDIR", "/tmp/plexus-mpl")
 # Children started by spawn() import the test helpers from here.
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
+# A run's plots cost about 1.3 s of CPU; the tests that read them ask for `with_report`.
+os.environ["PLEXUS_NO_REPORT"] = "1"
+
+
+@pytest.fixture
+def with_report(monkeypatch):
+    """Runs started in this test write their plots and index.html, as they do by default."""
+    monkeypatch.delenv("PLEXUS_NO_REPORT", raising=False)
 
 
 def _children() -> set[int]:

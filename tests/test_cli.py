@@ -103,7 +103,7 @@ def test_debug_shows_the_traceback():
 
 
 @pytest.mark.slow
-def test_run_directory_and_toml(tmp_path):
+def test_run_directory_and_toml(tmp_path, with_report):
     """TOML supplies the job, a flag overrides one key; the run directory has every file."""
     config = tmp_path / "job.toml"
     config.write_text('strategy = "allreduce"\nalgorithm = "ring"\nworkers = 2\ndataset = "digits"\n'
@@ -130,12 +130,16 @@ def test_run_directory_and_toml(tmp_path):
 
 
 @pytest.mark.slow
-def test_issue_accuracy_bar(tmp_path):
-    """The issue's acceptance command reaches at least 93% test accuracy."""
+def test_issue_accuracy_bar(tmp_path, with_report):
+    """The issue's acceptance command reaches at least 93% test accuracy; --no-report leaves
+    the plots out and keeps the results."""
     result = plexus_cli("train", "--strategy", "allreduce", "--algorithm", "ring", "--workers", "4", "--dataset",
-                        "digits", "--model", "mlp", "--steps", "300", "--out", str(tmp_path), "--json", "--quiet")
+                        "digits", "--model", "mlp", "--steps", "300", "--out", str(tmp_path), "--json", "--quiet",
+                        "--no-report")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.splitlines()[-1])["final_test_accuracy"] >= 0.93
+    assert (tmp_path / "summary.json").exists() and (tmp_path / "metrics.jsonl").exists()
+    assert not (tmp_path / "index.html").exists() and not list(tmp_path.glob("*.png"))
 
 
 @pytest.mark.slow

@@ -87,7 +87,7 @@ def test_a_bad_asynchronous_configuration_ends_unhealthy_with_a_hint(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_run_that_does_not_learn_is_stalled(tmp_path):
+def test_a_run_that_does_not_learn_is_stalled(tmp_path, with_report):
     result = plexus_cli("train", "--workers", "2", "--steps", "60", "--lr", "1e-6", "--out", str(tmp_path), "--json")
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout.splitlines()[-1])

@@ -340,7 +340,7 @@ def test_async_run_plots_agree_with_its_summary(tmp_path: Path) -> None:
     """ps asp with two workers: the throughput plot used to take one worker's samples as the
     job's, and drew half the summary's samples/s."""
     from plexus.report.plots import PlotRun, plot_series
-    from tests.test_cli import plexus_cli
+    from test_cli import plexus_cli
     out = tmp_path / "ps"
     result = plexus_cli("train", "--strategy", "ps", "--workers", "2", "--steps", "60", "--log-every", "5",
                         "--eval-every", "20", "--out", str(out), "--quiet")
@@ -381,7 +381,7 @@ def test_ranking_table_fits_1400px_in_chromium(tmp_path: Path) -> None:
 def test_compare_goes_on_after_a_failed_spec(tmp_path: Path) -> None:
     """A spec that fails while training becomes a failed row; the others finish and the
     table and report cover them all (compare used to abort and throw the table away)."""
-    from tests.test_cli import plexus_cli
+    from test_cli import plexus_cli
     result = plexus_cli("compare", "allreduce:kill=worker:1@step=5", "allreduce:algorithm=ring", "--workers", "2",
                         "--steps", "20", "--out", str(tmp_path / "cmp"), "--json")
     assert result.returncode == 1, result.stderr

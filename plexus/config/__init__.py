@@ -385,6 +385,10 @@ class RunConfig:
     # there are replaced); without it such a directory is refused, so no run is lost.
     overwrite: bool = False
     save_model: bool = False
+    # Skip the plots and index.html (summary.json and metrics.jsonl are still written;
+    # `plexus report DIR` draws them later). PLEXUS_NO_REPORT=1 in the environment does
+    # the same for every run, as the test suite does.
+    no_report: bool = False
     json: bool = False
     quiet: bool = False
     debug: bool = False

@@ -31,7 +31,7 @@ MIB = float(2**20)  # bytes in a MiB: the one byte unit of the CLI and the repor
 STRATEGY_KEYS: Mapping[str, frozenset[str]] = strategy_keys()
 _SPECIFIC = frozenset(APPLIES)
 # Keys that never tell runs apart usefully (where output goes, how it is shown, ports).
-_IGNORED = frozenset({"out", "overwrite", "json", "quiet", "debug", "save_model", "host", "port", "strategy"})
+_IGNORED = frozenset({"out", "overwrite", "json", "quiet", "debug", "save_model", "no_report", "host", "port", "strategy"})
 # Knobs shown first in a label: the ones a comparison most often varies.
 _PRIORITY = ("algorithm", "consistency", "variant", "topology", "async_gossip", "period", "workers", "servers",
              "optimizer", "lr", "momentum", "batch_size")

@@ -184,7 +184,7 @@ def run_local(cfg: JobConfig, poll: Callable[[Path, StartupProbe], None] | None 
     summary = assemble_summary(cfg, collect_records(cfg, _job_store(store, token), lost), lost)
     summary["status"] = "completed"
     write_summary(run_dir, summary)
-    _write_report(run_dir)
+    _write_report(cfg, run_dir)
     phases.done("summary")
     phases.log(summary.get("wall_seconds"))
     return run_dir, summary
@@ -296,7 +296,9 @@ def _job_store(store, token: str):
     return dist.PrefixStore(job_namespace(token), store)
 
 
-def _write_report(run_dir: Path) -> None:
+def _write_report(cfg: JobConfig, run_dir: Path) -> None:
+    if cfg.run.no_report or os.environ.get("PLEXUS_NO_REPORT", "") not in ("", "0"):
+        return
     from plexus.report import write_report
     try:
         write_report([run_dir])
@@ -361,5 +363,5 @@ def run_torchrun(cfg: JobConfig) -> dict[str, Any] | None:
     summary["status"] = "completed"
     if run_dir is not None:
         write_summary(run_dir, summary)
-        _write_report(run_dir)
+        _write_report(cfg, run_dir)
     return summary
