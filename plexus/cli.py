@@ -144,6 +144,24 @@ def add_launcher_arguments(parser: argparse.ArgumentParser) -> None:
           help="place servers, aggregators and the coordinator on nodes that advertise custom resource NAME")
 
 
+# Flags of `plexus simulate` that describe the simulated cluster, not the job.
+SIMULATE_KEYS = ("sim_workers", "sim_servers", "compute", "compute_jitter", "fail", "fail_rate", "timing_only")
+
+
+def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
+    """The simulated cluster (``plexus/sim/cluster.py``); --net and --slow are the job's."""
+    g = parser.add_argument_group("simulated cluster")
+    _flag(g, "sim-workers", type=int, metavar="P", help="workers to simulate (default: --workers)")
+    _flag(g, "sim-servers", type=int, metavar="S", help="parameter servers to simulate (default: --servers)")
+    _flag(g, "compute", type=float, metavar="SECONDS",
+          help="seconds of forward and backward per sample (default: measured here on the job's model)")
+    _flag(g, "compute-jitter", metavar="DIST",
+          help="random factor of mean 1 on each compute time: none (default), lognormal:CV or pareto:A")
+    _flag(g, "fail", metavar="ROLE:K@t=SECONDS", help="kill a process at a simulated time, e.g. worker:3@t=2.5")
+    _flag(g, "fail-rate", type=float, metavar="R", help="failures per machine-hour of every worker (default 0)")
+    _flag(g, "timing-only", action="store_const", const=True, help="skip the maths: time and traffic only")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="plexus", description="Distributed training under every classic architecture.",
                      argument_default=argparse.SUPPRESS)
@@ -157,6 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("specs", nargs="+", metavar="SPEC",
                          help="STRATEGY[:key=value,...], e.g. allreduce:algorithm=ring,workers=4")
     add_job_arguments(compare)
+    simulate = sub.add_parser("simulate", help="the same job on a simulated cluster: real maths, virtual time",
+                              argument_default=argparse.SUPPRESS)
+    add_job_arguments(simulate)
+    add_simulate_arguments(simulate)
     report = sub.add_parser("report", help="plots and index.html from run directories")
     report.add_argument("dirs", nargs="+", metavar="DIR")
     report.add_argument("--out", default=None, help="output folder (default: the run directory)")
@@ -216,7 +238,7 @@ def job_config(args: argparse.Namespace, extra: dict[str, Any] | None = None):
     source (file, flag, spec) and the keys left unset take their strategy's defaults."""
     from plexus.config import JobConfig
     flat = vars(args).copy()
-    for key in ("command", "specs", "config", "print_config", "print_plan", *LAUNCHER_KEYS):
+    for key in ("command", "specs", "config", "print_config", "print_plan", *LAUNCHER_KEYS, *SIMULATE_KEYS):
         flat.pop(key, None)
     merged = _load_toml(args.config) if getattr(args, "config", None) else {}
     merged = {k.replace("-", "_"): v for k, v in merged.items()}
@@ -636,6 +658,47 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _simulate(args: argparse.Namespace) -> int:
+    """``plexus simulate``: the job's flags plus the cluster's; a run directory marked simulated."""
+    from plexus.sim.cluster import ComputeModel, SimSpec, network_of, parse_fail
+    from plexus.sim.run import check, simulate
+    from plexus.train.job import prepare_run_dir
+    from plexus.errors import ConfigError
+    given = vars(args)
+    if given.get("sim_workers", 1) < 1:
+        raise ConfigError(f"--sim-workers must be at least 1, got {given['sim_workers']}: pass --sim-workers 1000 "
+                          f"for example")
+    if given.get("sim_servers", 0) < 0:
+        raise ConfigError(f"--sim-servers must be non-negative, got {given['sim_servers']}")
+    workers = given.get("sim_workers", given.get("workers"))
+    if workers is not None:
+        args.workers = workers  # the job's config sees the simulated worker count (batch shares, softsync N)
+    servers = given.get("sim_servers", given.get("servers"))
+    if servers is not None:
+        args.servers = servers
+    cfg = job_config(args)
+    spec = SimSpec(workers=cfg.cluster.workers, servers=cfg.cluster.servers,
+                   compute=ComputeModel(per_sample=given.get("compute"), jitter=given.get("compute_jitter") or "none"),
+                   network=network_of(cfg.cluster.net), failures=parse_fail(given.get("fail") or ""),
+                   fail_rate=given.get("fail_rate") or 0.0, timing_only=bool(given.get("timing_only")))
+    check(cfg, spec)
+    run_dir = prepare_run_dir(cfg)
+    summary = simulate(cfg, spec, run_dir)
+    from plexus.train.job import _write_report
+    _write_report(cfg, run_dir)
+    acc = summary["final_test_accuracy"]
+    said = f"final test accuracy {acc:.2%}  " if acc is not None else ""
+    print(f"simulated {summary['workers']} workers: {said}{summary['steps']} steps in "
+          f"{summary['wall_seconds']:.3f} simulated s ({summary['sim']['real_seconds']:.1f} s real, "
+          f"{summary['sim']['events']:,} events)  {summary['bytes_sent_total'] / 2**20:,.2f} MiB sent")
+    if summary["status"] != "completed":
+        print(f"plexus: the simulated job failed: {summary['error']}", file=sys.stderr)
+    print(f"run directory: {run_dir}")
+    if cfg.run.json:
+        print(json.dumps(summary))
+    return 0 if summary["status"] == "completed" else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
@@ -658,6 +721,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _worker(args)
         if args.command == "report":
             return _report(args)
+        if args.command == "simulate":
+            return _simulate(args)
         if args.command == "bench":
             from plexus.bench import BENCHMARKS
             return _import(BENCHMARKS[args.bench][1]).main(args)

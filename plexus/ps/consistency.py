@@ -170,8 +170,30 @@ class BSP(Consistency):
         super().__init__()
         self.rounds: dict[int, list[Push[P]]] = {}
         self.applied = 0  # clocks applied so far
+        # Live workers per clock: a round's check looks at the few distinct clocks, not at
+        # every worker (the simulator runs this gate with thousands of them).
+        self._at: dict[int, int] = {}
+
+    def _count(self, clock: int, delta: int) -> None:
+        n = self._at.get(clock, 0) + delta
+        if n:
+            self._at[clock] = n
+        else:
+            self._at.pop(clock, None)
+
+    def join(self, worker: int, clock: int | None = None) -> int:
+        start = super().join(worker, clock)
+        self._count(start, 1)
+        return start
+
+    def leave(self, worker: int) -> list[list[Push[P]]]:
+        if worker in self.clocks:
+            self._count(self.clocks[worker], -1)
+        return super().leave(worker)
 
     def _on_push(self, push: Push[P]) -> list[list[Push[P]]]:
+        self._count(push.clock, -1)
+        self._count(push.clock + 1, 1)
         self.rounds.setdefault(push.clock, []).append(push)
         return self._ready()
 
@@ -179,7 +201,7 @@ class BSP(Consistency):
         groups = []
         while self.rounds:
             r = self.applied
-            if any(c <= r for c in self.clocks.values()):
+            if any(c <= r for c in self._at):
                 break  # a live worker has not pushed clock r yet
             group = sorted(self.rounds.pop(r, []), key=lambda p: p.worker)
             self.applied += 1

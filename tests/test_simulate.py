@@ -1,0 +1,139 @@
+"""``plexus simulate`` (plexus/sim/): the real rules and maths under virtual time.
+
+- a simulated synchronous run equals the real run's model bit for bit (allreduce ring and
+  master, ps bsp with two servers), because it drives the same bucket layout, reduction
+  order, gate and server optimizer;
+- the same seed gives the same run, update order included; another seed does not;
+- virtual time follows the cluster description (compute, alpha-beta network, failures);
+- bad input is one line and exit 2.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from plexus.cli import main
+from plexus.collectives.cost import cost
+from plexus.config import JobConfig
+from plexus.sim.cluster import ComputeModel, SimSpec, network_of, parse_fail
+from plexus.sim.events import EventQueue
+from plexus.sim.run import simulate
+
+
+def _cfg(out=None, **flat) -> JobConfig:
+    flat = {"workers": 4, "steps": 30, "seed": 0, "quiet": True, **flat}
+    if out is not None:
+        flat.update(out=str(out), save_model=True)
+    return JobConfig.from_flat(flat, {k: "flag" for k in flat})
+
+
+def _spec(cfg: JobConfig, **kw) -> SimSpec:
+    kw.setdefault("compute", ComputeModel(per_sample=1e-4))
+    return SimSpec(workers=cfg.cluster.workers, servers=cfg.cluster.servers, network=network_of(cfg.cluster.net),
+                   **kw)
+
+
+def _sim(tmp_path, name: str, cfg: JobConfig, **kw) -> dict:
+    run_dir = tmp_path / name
+    run_dir.mkdir()
+    return simulate(cfg, _spec(cfg, **kw), run_dir)
+
+
+def test_events_run_in_time_order_and_ties_in_scheduling_order():
+    queue, seen = EventQueue(), []
+    queue.at(2.0, seen.append, "late")
+    queue.at(1.0, seen.append, "first")
+    queue.at(1.0, seen.append, "second")
+    queue.at(1.0, lambda: queue.after(0.5, seen.append, "chained"))
+    queue.run()
+    assert seen == ["first", "second", "chained", "late"] and queue.now == 2.0
+    with pytest.raises(ValueError, match="past"):
+        queue.at(1.0, seen.append, "x")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [{"strategy": "allreduce", "algorithm": "ring"},
+                                   {"strategy": "allreduce", "algorithm": "master"},
+                                   {"strategy": "ps", "consistency": "bsp", "servers": 2}],
+                         ids=["ring", "master", "ps-bsp"])
+def test_a_simulated_synchronous_run_equals_the_real_one_bit_for_bit(tmp_path, flags):
+    from plexus.train.job import run_local
+    run_local(_cfg(tmp_path / "real", **flags))
+    summary = _sim(tmp_path, "sim", _cfg(tmp_path / "sim", **flags))
+    real, sim = torch.load(tmp_path / "real" / "model.pt"), torch.load(tmp_path / "sim" / "model.pt")
+    assert real.keys() == sim.keys()
+    assert all(torch.equal(real[k], sim[k]) for k in real), {k: (real[k] - sim[k]).abs().max() for k in real}
+    assert summary["simulated"] and summary["status"] == "completed" and summary["steps"] == 30
+
+
+def test_the_same_seed_gives_the_same_update_order_and_another_seed_another(tmp_path):
+    flags = {"strategy": "ps", "consistency": "asp", "servers": 2, "steps": 20}
+    jitter = ComputeModel(per_sample=1e-4, overhead=1e-3, jitter="lognormal:0.5")
+    a = _sim(tmp_path, "a", _cfg(**flags), compute=jitter)
+    b = _sim(tmp_path, "b", _cfg(**flags), compute=jitter)
+    c = _sim(tmp_path, "c", _cfg(seed=1, **flags), compute=jitter)
+    assert a["update_order_sha256"] == b["update_order_sha256"] != c["update_order_sha256"]
+    assert a["final_test_accuracy"] == b["final_test_accuracy"] and a["wall_seconds"] == b["wall_seconds"]
+    assert a["updates_applied"] == 80 and a["steps"] == 80  # asynchronous: steps x workers updates, shared
+    assert (tmp_path / "a" / "metrics.jsonl").read_text() == (tmp_path / "b" / "metrics.jsonl").read_text()
+
+
+def test_allreduce_time_is_the_slowest_compute_plus_the_modelled_all_reduce(tmp_path):
+    cfg = _cfg(algorithm="ring", steps=10, net="latency=1ms,bandwidth=100mbit", slow="worker:2=3")
+    summary = _sim(tmp_path, "t", cfg, compute=ComputeModel(per_sample=1e-4, overhead=2e-3), timing_only=True)
+    share = cfg.run.batch_size // 4
+    numel = summary["sim"]["compute"]  # noqa: F841 (the cluster is recorded in the summary)
+    comm = summary["sim"]["algorithm_seconds_per_step"]
+    assert comm == pytest.approx(cost("ring", 4, 26122 * 4, network=network_of(cfg.cluster.net)).time)
+    assert summary["wall_seconds"] == pytest.approx(10 * (3 * (2e-3 + share * 1e-4) + comm))
+    assert summary["final_test_accuracy"] is None  # --timing-only: no maths
+
+
+def test_staleness_under_asp_grows_with_the_workers(tmp_path):
+    """Homogeneous workers under asp: each gradient misses about the other P - 1 workers'
+    updates (Zhang et al. 2016's <sigma> ~ n for n-softsync, here n = P)."""
+    means = {}
+    for p in (4, 16):
+        cfg = _cfg(strategy="ps", consistency="asp", workers=p, batch_size=64, steps=20)
+        means[p] = _sim(tmp_path, f"p{p}", cfg, timing_only=True)["staleness_mean"]
+    assert 2 <= means[4] <= 4 and 12 <= means[16] <= 16, means
+
+
+def test_a_failed_worker_ends_allreduce_and_is_dropped_under_asp(tmp_path):
+    cfg = _cfg(strategy="allreduce", steps=200)
+    ended = _sim(tmp_path, "ar", cfg, failures=parse_fail("worker:1@t=0.05"))
+    assert ended["status"] == "failed" and "worker 1" in ended["error"] and ended["steps"] < 200
+    cfg = _cfg(strategy="ps", consistency="asp", steps=100, peer_timeout=0.5)
+    survived = _sim(tmp_path, "asp", cfg, failures=parse_fail("worker:1@t=0.05"))
+    assert survived["status"] == "completed" and survived["lost_workers"] == [1]
+    assert survived["final_test_accuracy"] > 0.8
+
+
+@pytest.mark.slow
+def test_the_cli_writes_a_run_directory_marked_simulated_and_stops_at_a_target(tmp_path, capsys):
+    code = main(["simulate", "--sim-workers", "8", "--batch-size", "64", "--target-accuracy", "0.9",
+                 "--eval-every", "10", "--steps", "1000", "--out", str(tmp_path / "run"), "--json"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["simulated"] and summary["workers"] == 8 and summary["sim"]["compute"]["measured"]
+    assert summary["time_to_target_seconds"] is not None and summary["steps"] < 1000
+    assert {"summary.json", "metrics.jsonl", "config.json"} <= {p.name for p in (tmp_path / "run").iterdir()}
+    assert "simulated 8 workers" in out
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--sim-workers", "0"], "--sim-workers must be at least 1"),
+    (["--compute", "-0.001"], "--compute must be a finite time >= 0"),
+    (["--compute-jitter", "pareto:0.5"], "--compute-jitter must be"),
+    (["--timing-only", "--target-accuracy", "0.9"], "--timing-only skips the maths"),
+    (["--strategy", "sandblaster"], "plexus simulate models allreduce, ps"),
+    (["--fail", "worker:9@t=1"], "--fail worker:9"),
+    (["--sim-workers", "3"], "batch_size must be divisible by workers (3)"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, needle):
+    code = main(["simulate", "--steps", "5", "--out", str(tmp_path / "x"), *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and needle in err[0], err
