@@ -1,8 +1,9 @@
 """``plexus simulate`` (plexus/sim/): the real rules and maths under virtual time.
 
 - a simulated synchronous run equals the real run's model bit for bit (allreduce ring and
-  master, ps bsp with two servers), because it drives the same bucket layout, reduction
-  order, gate and server optimizer;
+  master, ps bsp with two servers, local SGD with AdaComm over ring, D-PSGD on a ring),
+  because it drives the same bucket layout, reduction order, gate, server optimizer,
+  averaging schedule and mixing;
 - the same seed gives the same run, update order included; another seed does not;
 - virtual time follows the cluster description (compute, alpha-beta network, failures);
 - bad input is one line and exit 2.
@@ -56,8 +57,11 @@ def test_events_run_in_time_order_and_ties_in_scheduling_order():
 @pytest.mark.slow
 @pytest.mark.parametrize("flags", [{"strategy": "allreduce", "algorithm": "ring"},
                                    {"strategy": "allreduce", "algorithm": "master"},
-                                   {"strategy": "ps", "consistency": "bsp", "servers": 2}],
-                         ids=["ring", "master", "ps-bsp"])
+                                   {"strategy": "ps", "consistency": "bsp", "servers": 2},
+                                   {"strategy": "local-sgd", "algorithm": "ring", "period": 4, "adaptive": True,
+                                    "average_optimizer_state": True},
+                                   {"strategy": "gossip", "topology": "ring"}],
+                         ids=["ring", "master", "ps-bsp", "local-sgd-adacomm", "gossip"])
 def test_a_simulated_synchronous_run_equals_the_real_one_bit_for_bit(tmp_path, flags):
     from plexus.train.job import run_local
     run_local(_cfg(tmp_path / "real", **flags))
@@ -129,7 +133,8 @@ def test_the_cli_writes_a_run_directory_marked_simulated_and_stops_at_a_target(t
     (["--compute", "-0.001"], "--compute must be a finite time >= 0"),
     (["--compute-jitter", "pareto:0.5"], "--compute-jitter must be"),
     (["--timing-only", "--target-accuracy", "0.9"], "--timing-only skips the maths"),
-    (["--strategy", "sandblaster"], "plexus simulate models allreduce, ps"),
+    (["--strategy", "sandblaster"], "plexus simulate models allreduce, ps, local-sgd, gossip"),
+    (["--strategy", "gossip", "--async"], "not --async (AD-PSGD) yet"),
     (["--fail", "worker:9@t=1"], "--fail worker:9"),
     (["--sim-workers", "3"], "batch_size must be divisible by workers (3)"),
 ])

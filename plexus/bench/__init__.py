@@ -16,6 +16,8 @@ _ALL = {
     "defaults": ("accuracy of every strategy with its own defaults against allreduce", "plexus.bench.defaults"),
     "startup": ("time to the first training step at 1, 2 and 4 workers against import torch",
                 "plexus.bench.startup"),
+    "simulate": ("real seconds of 1,000- and 10,000-worker simulations against the 60 s goal",
+                 "plexus.bench.simulate"),
 }
 
 # name -> (one-line summary, module)

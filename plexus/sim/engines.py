@@ -41,7 +41,7 @@ from plexus.sim.events import EventQueue
 from plexus.sim.maths import BucketedGradients, Replica
 from plexus.train.batches import GlobalBatches, PartitionBatches
 
-__all__ = ["Outcome", "AllReduceSim", "ParameterServerSim", "ENGINES"]
+__all__ = ["Outcome", "Simulation", "AllReduceSim", "ParameterServerSim"]
 
 # Bytes of a message header on the wire (ps/protocol.py's int64 header, rounded).
 HEADER_BYTES = 128
@@ -440,6 +440,3 @@ class ParameterServerSim(Simulation):
             if self.evaluate(self.queue.now, w0.steps, sum(x.steps for x in self.ws) * self.share):
                 self.end = self.queue.now  # --target-accuracy reached: every worker stops
                 self.queue.stop()
-
-
-ENGINES: dict[str, type[Simulation]] = {"allreduce": AllReduceSim, "ps": ParameterServerSim}

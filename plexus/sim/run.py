@@ -18,8 +18,9 @@ import torch
 from plexus.config import JobConfig
 from plexus.errors import ConfigError
 from plexus.sim.cluster import ComputeModel, SimSpec, profile_compute
-from plexus.sim.engines import ENGINES, Outcome
+from plexus.sim.engines import AllReduceSim, Outcome, ParameterServerSim
 from plexus.sim.maths import Replica
+from plexus.sim.replicas import GossipSim, LocalSgdSim
 from plexus.train.data import load_dataset
 from plexus.train.evaluation import loss_fn
 from plexus.train.metrics import MetricsLog
@@ -28,7 +29,8 @@ from plexus.train.runner import total_steps
 
 __all__ = ["simulate", "check", "SIMULATED"]
 
-# The strategies the simulator models today.
+# The simulated job of each strategy the simulator models today.
+ENGINES = {"allreduce": AllReduceSim, "ps": ParameterServerSim, "local-sgd": LocalSgdSim, "gossip": GossipSim}
 SIMULATED = tuple(ENGINES)
 
 
@@ -44,6 +46,8 @@ def check(cfg: JobConfig, spec: SimSpec) -> None:
     if cfg.run.batch_size % spec.workers:
         raise ConfigError(f"batch_size {cfg.run.batch_size} must be divisible by --sim-workers {spec.workers} "
                           f"(each worker takes an equal share): pass --batch-size {spec.workers * 32} for example")
+    if strategy == "gossip" and cfg.strategy.async_gossip:
+        raise ConfigError("plexus simulate models gossip in lockstep (D-PSGD), not --async (AD-PSGD) yet: drop --async")
     if cfg.run.time_limit is not None:
         raise ConfigError("--time-limit is wall-clock time; a simulation's time is virtual: pass --steps")
     if strategy == "ps" and cfg.strategy.consistency == "bsp" and cfg.strategy.backup_workers:
