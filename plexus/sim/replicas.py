@@ -73,10 +73,16 @@ class _Replicas(Simulation):
             self.replica.load(self._average_model())
         return out
 
-    def _log_step(self, now: float, done: int, loss: float | None, sent: int) -> None:
-        if done % self.cfg.run.log_every == 0:
-            self.log("train", time=now, worker=0, step=done, loss=loss, samples=done * self.cfg.run.batch_size,
+    def _after_step(self, done: int, steps: int, loss: float | None, clocks: np.ndarray, sent: int) -> bool:
+        """Log step ``done`` and take its snapshot when one is due; True when the snapshot
+        reached --target-accuracy (the run stops there)."""
+        cfg, now = self.cfg, float(clocks.max())
+        if done % cfg.run.log_every == 0:
+            self.log("train", time=now, worker=0, step=done, loss=loss, samples=done * cfg.run.batch_size,
                      worker_samples=done * self.share, bytes_sent=sent, bytes_recv=None, staleness=None)
+        if cfg.run.eval_every and done % cfg.run.eval_every == 0 and done != steps:
+            return self._snapshot(now, done, done * cfg.run.batch_size)
+        return False
 
 
 class LocalSgdSim(_Replicas):
@@ -136,17 +142,12 @@ class LocalSgdSim(_Replicas):
                     averagings += 1
                     round_loss, round_steps = np.zeros(p), 0
                     schedule.averaged(mean_loss if mean_loss is not None else 1.0)
-            done = step + 1
-            now = float(clocks.max())
-            self._log_step(now, done, loss, int(sent[0]))
-            if cfg.run.eval_every and done % cfg.run.eval_every == 0 and done != steps:
-                if self._snapshot(now, done, done * cfg.run.batch_size):
-                    steps = done
-                    break
+            if self._after_step(step + 1, steps, loss, clocks, int(sent[0])):
+                break
         out.bytes_sent = [int(b) for b in sent]
         out.extra = {"averagings": averagings, "period_final": schedule.period,
                      "rounds_per_period": {str(h): n for h, n in sorted(schedule.rounds.items())}}
-        return self._finish(out, clocks, min(steps, step + 1), compute)
+        return self._finish(out, clocks, step + 1, compute)
 
     def _all_reduce(self, clocks: np.ndarray, numel: int, algorithm: str, sent: np.ndarray) -> np.ndarray:
         """Everyone waits for the slowest, then the all-reduce of ``numel`` float32s."""
@@ -238,13 +239,8 @@ class GossipSim(_Replicas):
                     for opt in self.optimizers:
                         opt.step()
                 loss = losses[0]
-            done = step + 1
-            now = float(clocks.max())
-            self._log_step(now, done, loss, int(sent[0]))
-            if cfg.run.eval_every and done % cfg.run.eval_every == 0 and done != steps:
-                if self._snapshot(now, done, done * cfg.run.batch_size):
-                    steps = done
-                    break
+            if self._after_step(step + 1, steps, loss, clocks, int(sent[0])):
+                break
         out.bytes_sent = [int(b) for b in sent]
         out.extra = {"topology": s.topology, "degree_max": int(max(len(topology.peers(r)) for r in range(p)))}
-        return self._finish(out, clocks, min(steps, step + 1), compute)
+        return self._finish(out, clocks, step + 1, compute)
