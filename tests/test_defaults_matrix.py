@@ -43,8 +43,8 @@ def reference(tmp_path_factory):
 
 # The all-reduce algorithms compute the reference's sum (tests/test_collectives.py checks it
 # exactly), with the same defaults: they differ from the reference only by rounding, which
-# 800 steps amplify (65-68 % on mnist1d against its 66 %, README table). Their rows are in
-# `plexus bench defaults`, not here.
+# 800 steps amplify (65-68 % on mnist1d against its 66 %, docs/results/defaults-matrix.md).
+# Their rows are in `plexus bench defaults`, not here.
 LABELS = [label for label in MATRIX if MATRIX[label]["strategy"] != "allreduce"]
 
 

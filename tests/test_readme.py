@@ -10,8 +10,10 @@ The commands are read from README.md itself, so an example cannot drift from the
   naming the process, or the survivors finished and the summary lists it as lost), a
   target was reached, and so on; every other command must simply succeed;
 - the commands not run are listed in ``SKIP`` with the reason (a second terminal, a fixed
-  port, a benchmark or a reproduction that takes minutes and has its own test), and the
-  list cannot go stale: each entry must still match a command of the README.
+  port, a benchmark that takes minutes, an example another test runs), and the list cannot
+  go stale: each entry must still match a command of the README;
+- the measured tables live in ``docs/results/``, not in the README: each page names its
+  command and date and the README links it, and every link to a file resolves.
 """
 from __future__ import annotations
 
@@ -30,27 +32,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
-PY = sys.executable
 
 # Commands not run, by a piece of their text, with the reason.
 SKIP = {
     "plexus bench ddp": "a benchmark (minutes of timed rounds); tests/test_bench_ddp.py runs it shortened",
     "plexus bench collectives": "a benchmark of 64 MB all-reduces; tests/test_collectives.py covers the algorithms",
-    "plexus bench ps": "a benchmark against torch.distributed.rpc; tests/test_ps_bench.py runs it shortened",
     "plexus bench defaults": "trains every strategy on two datasets (minutes); tests/test_defaults_matrix.py",
     "plexus bench startup": "times 18 jobs; tests/test_startup.py runs it with one row",
     "--port 29500": "the background half of a two-terminal example on a fixed port; tests/test_ps_join.py runs "
                     "the same pair on a free port",
     "plexus worker --join": "needs the job above running in another terminal; tests/test_ps_join.py",
-    "--variant V --workers P": "a template (V and P stand for the values listed in its comment)",
-    "... (the same for": "an abbreviated grid of 14 specs, a reproduction that takes minutes",
-    "--out runs/tta-": "a reproduction of a measured table (7 specs x 5000 steps); the compare path is run by "
-                       "the quick tour's compare",
-    "--out runs/decentral-": "a reproduction of a measured table (7 specs x 8 epochs of mnist1d); as above",
-    "--dataset mnist1d --model mlp --steps 50 --batch-size 128": "the measured tree-ps rows at 8 workers on "
-                                                                 "mnist1d; the tree-ps examples above run it",
-    "--out runs/sched-": "a reproduction of the scheduler table (2 specs of a wide MLP); tests/test_ps_scheduler.py "
-                         "runs dynamic assignment and backup workers with a straggler",
     "--lbfgs vector-free --line-search strong_wolfe": "tests/test_sandblaster.py runs vector-free and strong Wolfe "
                                                       "against torch.optim.LBFGS",
     "--strategy sandblaster --workers 3 --slow": "tests/test_sandblaster.py runs a slow replica and counts its units",
@@ -138,6 +129,51 @@ def test_every_readme_command_is_run_or_skipped_with_a_reason():
     # The commands that are not plexus: the Makefile's (the suite itself is `make test`) and torchrun's
     # (tests/test_cli.py::test_torchrun_runs_the_same_job).
     assert all(o.startswith(("make ", "PLEXUS_TOKEN=s3cret torchrun")) for o in others), others
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_readme_link_to_a_file_points_at_one():
+    """A link of the README (or of a page under docs/) to a file of the repository, with its
+    #anchor if it has one, names a file and a heading that exist."""
+    broken = []
+    for page in [README, *sorted((ROOT / "docs").rglob("*.md"))]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if target.startswith(("http://", "https://", "mailto:")):
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            if not linked.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and linked.suffix == ".md":
+                slugs = {_slug(h) for h in re.findall(r"^#+ (.+)$", linked.read_text(), flags=re.M)}
+                if anchor not in slugs:
+                    broken.append(f"{page.relative_to(ROOT)}: {target} (no heading #{anchor})")
+    assert not broken, "\n".join(broken)
+
+
+def test_every_results_page_names_its_command_and_date_and_is_linked():
+    """docs/results/*.md hold the measured tables: each names the command that produced it
+    (a plexus command or a benchmarks/ script) and the date it was measured, has a table,
+    and the README links it."""
+    readme = README.read_text()
+    pages = sorted((ROOT / "docs" / "results").glob("*.md"))
+    assert pages
+    problems = []
+    for page in pages:
+        text, name = page.read_text(), page.relative_to(ROOT)
+        if not re.search(r"(`|^)(plexus (bench|train|compare) |python benchmarks/\w+\.py)", text, flags=re.M):
+            problems.append(f"{name}: names no command (plexus bench/train/compare or python benchmarks/*.py)")
+        if not re.search(r"\b20\d\d-\d\d-\d\d\b", text):
+            problems.append(f"{name}: no date (YYYY-MM-DD)")
+        if not re.search(r"^\|.*\|\s*$\n^\|[\s:|-]+\|\s*$", text, flags=re.M):
+            problems.append(f"{name}: no table")
+        if f"]({name})" not in readme:
+            problems.append(f"{name}: the README does not link it")
+    assert not problems, "\n".join(problems)
 
 
 def _longest_schedule(argv: list[str]) -> int:
@@ -238,6 +274,30 @@ def _user_package(folder: Path) -> None:
         "    return x[:500], y[:500], x[500:], y[500:]\n")
 
 
+def _run(argv: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """``plexus ARGV`` as the console script runs it (``plexus.cli.main``), in this process:
+    a fresh interpreter per example would import torch 23 times (about a minute of the
+    suite); the console script itself is tested in test_cli.py."""
+    import contextlib
+    import io
+    from plexus.cli import main
+    out, err = io.StringIO(), io.StringIO()
+    saved_env, saved_cwd, saved_path = dict(os.environ), os.getcwd(), list(sys.path)
+    os.environ.update(env)
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(argv)
+    except SystemExit as exc:  # argparse's usage errors
+        code = exc.code if isinstance(exc.code, int) else 2
+    finally:
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+        sys.path[:] = saved_path
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+
+
 @pytest.mark.slow
 def test_every_readme_example_does_what_its_comment_says(tmp_path):
     found, _, tomls = examples()
@@ -246,10 +306,7 @@ def test_every_readme_example_does_what_its_comment_says(tmp_path):
     (tmp_path / "job.toml").write_text(job_toml or 'strategy = "allreduce"\nalgorithm = "ring"\nworkers = 4\n'
                                                    'dataset = "digits"\nmodel = "mlp"\n')
     _user_package(tmp_path)
-    env = {**os.environ, "MPLCONFIGDIR": os.environ.get("MPLCONFIGDIR", "/tmp/plexus-mpl"),
-           "PLEXUS_PROGRESS_EVERY": "60"}
-    env.pop("PYTHONPATH", None)  # the current folder must be importable by itself, as with `python -m`
-    plexus = shutil.which("plexus", path=str(Path(PY).parent)) or shutil.which("plexus")
+    env = {"PLEXUS_PROGRESS_EVERY": "60"}
     failures, ran, timings = [], [], []
     train_outs: list[Path] = []
     for n, example in enumerate(found):
@@ -264,9 +321,7 @@ def test_every_readme_example_does_what_its_comment_says(tmp_path):
                     shutil.copytree(src, tmp_path / name)
         argv = _shortened(example, out)
         started = time.monotonic()
-        command = [plexus, *argv] if plexus else [PY, "-m", "plexus.cli", *argv]
-        result = subprocess.run(command, cwd=tmp_path, env={**env, **example.env}, capture_output=True, text=True,
-                                timeout=300)
+        result = _run(argv, tmp_path, {**env, **example.env})
         timings.append((time.monotonic() - started, example.text))
         ran.append(example.text)
         run_dir = tmp_path / argv[argv.index("--out") + 1] if "--out" in argv else out
