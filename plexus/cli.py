@@ -179,6 +179,13 @@ def build_parser() -> argparse.ArgumentParser:
                               argument_default=argparse.SUPPRESS)
     add_job_arguments(simulate)
     add_simulate_arguments(simulate)
+    reproduce = sub.add_parser("reproduce", help="a seed paper's experiment, simulated, with a verdict")
+    reproduce.add_argument("name", nargs="?", metavar="NAME", help="the recipe (plexus reproduce --list)")
+    reproduce.add_argument("--list", action="store_true", help="list the recipes and exit")
+    reproduce.add_argument("--out", default="runs/reproduce", help="folder for OUT/NAME/ (default runs/reproduce)")
+    reproduce.add_argument("--quick", action="store_true", help="a quarter of the steps (a smoke test, not a "
+                                                                 "reproduction)")
+    reproduce.add_argument("--seed", type=int, default=0, help="seed of data order and initial model (default 0)")
     report = sub.add_parser("report", help="plots and index.html from run directories")
     report.add_argument("dirs", nargs="+", metavar="DIR")
     report.add_argument("--out", default=None, help="output folder (default: the run directory)")
@@ -699,6 +706,22 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0 if summary["status"] == "completed" else 1
 
 
+def _reproduce(args: argparse.Namespace) -> int:
+    """``plexus reproduce NAME``: one recipe's table, plot and verdict; ``--list`` the recipes."""
+    from plexus.errors import ConfigError
+    from plexus.sim.reproduce import RECIPES, run_recipe
+    if args.list:
+        for recipe in RECIPES.values():
+            print(f"{recipe.name:22} {recipe.paper}: {recipe.claim}")
+        return 0
+    if not args.name:
+        raise ConfigError(f"name a recipe: {', '.join(RECIPES)} (plexus reproduce --list)")
+    verdict, why = run_recipe(args.name, Path(args.out), quick=args.quick, seed=args.seed)
+    print(f"{args.name}: {verdict}: {why}")
+    print(f"table, plot and runs: {Path(args.out) / args.name}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
@@ -723,6 +746,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _report(args)
         if args.command == "simulate":
             return _simulate(args)
+        if args.command == "reproduce":
+            return _reproduce(args)
         if args.command == "bench":
             from plexus.bench import BENCHMARKS
             return _import(BENCHMARKS[args.bench][1]).main(args)

@@ -188,7 +188,7 @@ def _longest_schedule(argv: list[str]) -> int:
 def _shortened(example: Example, out: Path) -> list[str]:
     argv = list(example.argv)
     command = argv[0]
-    if command in ("train", "compare"):
+    if command in ("train", "compare", "simulate"):
         # A run that stops on a target keeps its length, and so does one with a kill or a
         # schedule: its length as written (the default: one epoch or 300 steps) must let
         # it fire. Every other run is cut to 60 steps.
@@ -225,7 +225,7 @@ def _check(example: Example, result: subprocess.CompletedProcess, out_dir: Path)
     if example.argv[0] == "report":
         return None if (out_dir / "index.html").exists() else f"{said}\n  no index.html in {out_dir}"
     summaries = _summaries(result.stdout)
-    if example.argv[0] in ("train", "compare") and not summaries:
+    if example.argv[0] in ("train", "compare", "simulate") and not summaries:
         return f"{said}\n  no JSON summary on stdout"
     for summary in summaries:
         if summary.get("status", "completed") != "completed":

@@ -142,3 +142,28 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, needle):
     code = main(["simulate", "--steps", "5", "--out", str(tmp_path / "x"), *args])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and needle in err[0], err
+
+
+def test_reproduce_lists_its_recipes_and_refuses_an_unknown_one(capsys):
+    from plexus.sim.reproduce import RECIPES
+    assert main(["reproduce", "--list"]) == 0
+    listed = capsys.readouterr().out
+    assert all(name in listed for name in RECIPES) and len(RECIPES) >= 5
+    assert main(["reproduce", "nope"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no recipe 'nope'" in err[0] and "lian2017-dpsgd" in err[0]
+
+
+@pytest.mark.slow
+def test_a_quick_recipe_writes_its_table_plot_and_a_measured_verdict(tmp_path, capsys):
+    assert main(["reproduce", "lian2017-dpsgd", "--quick", "--out", str(tmp_path)]) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    assert line.startswith("lian2017-dpsgd: ") and "(quick: 75 steps, not a reproduction)" in line
+    assert any(v in line for v in ("holds", "partly", "does not hold")) and "simulated time allreduce" in line
+    folder = tmp_path / "lian2017-dpsgd"
+    assert {"table.md", "verdict.txt", "accuracy_time.png"} <= {p.name for p in folder.iterdir()}
+    table = (folder / "table.md").read_text()
+    assert "| allreduce ring |" in table and "| D-PSGD ring |" in table and "**Verdict:" in table
+    for run in ("allreduce_ring", "D-PSGD_ring"):
+        summary = json.loads((folder / run / "summary.json").read_text())
+        assert summary["simulated"] and summary["workers"] == 16 and summary["steps"] == 75
