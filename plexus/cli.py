@@ -145,7 +145,8 @@ def add_launcher_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # Flags of `plexus simulate` that describe the simulated cluster, not the job.
-SIMULATE_KEYS = ("sim_workers", "sim_servers", "compute", "compute_jitter", "fail", "fail_rate", "timing_only")
+SIMULATE_KEYS = ("sim_workers", "sim_servers", "compute", "compute_jitter", "fail", "fail_rate", "timing_only",
+                 "validate")
 
 
 def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -160,6 +161,8 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(g, "fail", metavar="ROLE:K@t=SECONDS", help="kill a process at a simulated time, e.g. worker:3@t=2.5")
     _flag(g, "fail-rate", type=float, metavar="R", help="failures per machine-hour of every worker (default 0)")
     _flag(g, "timing-only", action="store_const", const=True, help="skip the maths: time and traffic only")
+    _flag(g, "validate", action="store_const", const=True,
+          help="train six configurations at 2, 4 and 8 workers for real and simulated; print the errors")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -672,6 +675,15 @@ def _simulate(args: argparse.Namespace) -> int:
     from plexus.train.job import prepare_run_dir
     from plexus.errors import ConfigError
     given = vars(args)
+    if given.get("validate"):
+        from plexus.sim.validate import table, validate
+        out = Path(given.get("out") or f"runs/validate-{time.strftime('%Y%m%d-%H%M%S')}")
+        from plexus.sim.validate import DEFAULT_NET
+        net = given.get("net", DEFAULT_NET)
+        rows, calibration = validate(out, steps=given.get("steps") or 150, net=None if net == "none" else net,
+                                     echo=lambda line: print(line, file=sys.stderr))
+        print(table(rows, calibration))
+        return 0
     if given.get("sim_workers", 1) < 1:
         raise ConfigError(f"--sim-workers must be at least 1, got {given['sim_workers']}: pass --sim-workers 1000 "
                           f"for example")

@@ -167,3 +167,13 @@ def test_a_quick_recipe_writes_its_table_plot_and_a_measured_verdict(tmp_path, c
     for run in ("allreduce_ring", "D-PSGD_ring"):
         summary = json.loads((folder / run / "summary.json").read_text())
         assert summary["simulated"] and summary["workers"] == 16 and summary["steps"] == 75
+
+
+def test_the_validation_table_counts_errors_and_compares_rankings():
+    from plexus.sim.validate import Row, table
+    rows = [Row(2, "allreduce ring", 0.010, 0.011, 1.0, 1.1), Row(2, "ps asp", 0.020, 0.030, None, 2.0),
+            Row(2, "gossip ring", 0.005, 0.004, 0.5, 0.5)]
+    text = table(rows, {"alpha": 2e-3, "beta": 8e-8, "per_sample_P2": 3e-5})
+    assert "| 2 | allreduce ring (calibration) | 0.0100 | 0.0110 | +10% |" in text
+    assert "Time per step within 15%: 1 of 3; time to target within 15%: 2 of 2" in text
+    assert "P=2: ranking by time per step the same: real gossip ring < allreduce ring < ps asp" in text

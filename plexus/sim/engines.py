@@ -267,7 +267,7 @@ class ParameterServerSim(Simulation):
         out.updates_applied = self.version
         out.staleness = self.hist
         out.compute_seconds = float(np.mean([w.compute for w in self.ws]))
-        out.wait_seconds = max(0.0, self.queue.now - out.compute_seconds)
+        out.wait_seconds = max(0.0, self.end - out.compute_seconds)
         out.events = self.queue.events
         if self.replica is not None:
             self.replica.load(self.params)
@@ -322,6 +322,7 @@ class ParameterServerSim(Simulation):
             return
         if not w.alive and self.gate.clocks.get(w.rank) is None:
             return  # declared lost before its push arrived: the gate no longer knows it
+        self.end = self.queue.now
         start = max(self.queue.now, self.cpu)
         groups = self.gate.push(Push(w.rank, clock, version, grad))
         self.cpu = start + len(groups) * self.shard_bytes * self.spec.server_gamma

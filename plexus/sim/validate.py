@@ -1,0 +1,171 @@
+"""``plexus simulate --validate``: simulated against real runs on this machine.
+
+For P = 2, 4, 8 and six configurations (allreduce ring and master, ps bsp and asp with one
+server, D-PSGD on a ring, local SGD with H = 8), each configuration is trained for real
+(``plexus train``'s code, in this process) and simulated with the same flags and seed.
+
+Every run, real and simulated, has the network ``--net`` (default
+``bandwidth=100mbit,latency=2ms``): the real runs emulate it (each send waits latency +
+bytes / bandwidth), the simulator takes it as alpha and 1/beta. On loopback without it a
+message costs this machine's per-message CPU work and process scheduling, not a network
+(8 processes share 2 cores), which no alpha-beta model describes: ``--net none`` measures
+that case anyway.
+
+Calibration, from the real runs of one configuration (allreduce ring) only: its workers'
+measured compute seconds per step at each P, as seconds per sample (P processes share this
+machine's cores, so a sample costs more at P = 8 than at P = 2; that is this machine's
+property, used for every configuration at that P). With ``--net none``, alpha and beta
+are also fitted to its communication time per step (least squares over the three P).
+
+The other five configurations are predictions. The table gives time per step and time to
+the target accuracy, real against simulated, with the relative error, and whether the
+configurations rank in the same order by time per step at each P.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["CONFIGS", "Row", "validate", "TOLERANCE"]
+
+TOLERANCE = 0.15
+REFERENCE = "allreduce ring"
+CONFIGS: dict[str, dict[str, Any]] = {
+    "allreduce ring": {"strategy": "allreduce", "algorithm": "ring"},
+    "allreduce master": {"strategy": "allreduce", "algorithm": "master"},
+    "ps bsp": {"strategy": "ps", "consistency": "bsp"},
+    "ps asp": {"strategy": "ps", "consistency": "asp"},
+    "gossip ring": {"strategy": "gossip", "topology": "ring"},
+    "local-sgd H=8": {"strategy": "local-sgd", "period": 8},
+}
+
+
+@dataclass
+class Row:
+    workers: int
+    config: str
+    real_step: float
+    sim_step: float
+    real_ttt: float | None
+    sim_ttt: float | None
+
+    @property
+    def step_error(self) -> float:
+        return self.sim_step / self.real_step - 1
+
+    @property
+    def ttt_error(self) -> float | None:
+        if self.real_ttt is None or self.sim_ttt is None:
+            return None
+        return self.sim_ttt / self.real_ttt - 1
+
+
+DEFAULT_NET = "bandwidth=100mbit,latency=2ms"
+
+
+def _cfg(name: str, workers: int, steps: int, target: float, out: Path, net: str | None):
+    from plexus.config import JobConfig
+    flat = {**CONFIGS[name], **({"net": net} if net else {}), "workers": workers, "steps": steps, "dataset": "digits", "model": "mlp",
+            "batch_size": 64, "eval_every": 10, "target_accuracy": target, "seed": 0, "quiet": True,
+            "out": str(out), "overwrite": True}
+    return JobConfig.from_flat(flat, {k: "flag" for k in flat})
+
+
+def _per_step(summary: dict) -> float:
+    """Seconds per step: per worker step for asynchronous runs (each worker's own steps)."""
+    steps = summary["steps"]
+    if summary.get("steps_kind") == "worker" or summary.get("strategy") == "ps" and summary.get("consistency") == "asp":
+        steps = steps / summary["workers"]
+    return summary["wall_seconds"] / steps
+
+
+def validate(out: Path, workers: tuple[int, ...] = (2, 4, 8), steps: int = 150, target: float = 0.8,
+             net: str | None = DEFAULT_NET, echo=print) -> tuple[list[Row], dict[str, float]]:
+    import io
+    from dataclasses import replace
+    from plexus.sim.cluster import ComputeModel, SimSpec, network_of
+    from plexus.sim.run import simulate
+    from plexus.train.job import run_local
+    from plexus.collectives.cost import Network
+    real: dict[tuple[int, str], dict] = {}
+    for p in workers:
+        for name in CONFIGS:
+            cfg = _cfg(name, p, steps, target, out / f"real-{p}-{name.replace(' ', '_')}", net)
+            echo(f"real      P={p} {name}")
+            real[p, name] = run_local(cfg, sink=io.StringIO())[1]
+            # No target stop for the step time: a run that stopped early has fewer steps.
+    # Calibration from the reference configuration.
+    per_sample, comm = {}, {}
+    for p in workers:
+        s = real[p, REFERENCE]
+        compute = sum(c for c in s["compute_seconds_per_worker"] if c) / p / s["steps"]
+        per_sample[p] = compute / (64 // p)
+        comm[p] = max(0.0, s["wall_seconds"] / s["steps"] - compute)
+    numel = 26122 * 4  # the digits MLP's gradient bytes
+    # Least squares for comm = alpha * a_p + beta * b_p.
+    a = {p: 2 * (p - 1) for p in workers}
+    b = {p: 2 * (p - 1) / p * numel for p in workers}
+    saa = sum(a[p] ** 2 for p in workers)
+    sbb = sum(b[p] ** 2 for p in workers)
+    sab = sum(a[p] * b[p] for p in workers)
+    sac = sum(a[p] * comm[p] for p in workers)
+    sbc = sum(b[p] * comm[p] for p in workers)
+    det = saa * sbb - sab ** 2
+    alpha = max(1e-7, (sac * sbb - sbc * sab) / det) if det else comm[workers[0]] / a[workers[0]]
+    beta = max(0.0, (saa * sbc - sab * sac) / det) if det else 0.0
+    network = Network(alpha=alpha, beta=beta, gamma=0.25e-9)
+    if net:
+        from plexus.config import parse_net
+        spec_net = parse_net(net)
+        network = network_of(spec_net)
+        alpha, beta = network.alpha, network.beta
+    rows = []
+    for p in workers:
+        for name in CONFIGS:
+            cfg = _cfg(name, p, steps, target, out / f"sim-{p}-{name.replace(' ', '_')}", net)
+            run_dir = Path(cfg.run.out)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            for stale in ("metrics.jsonl", "summary.json"):
+                (run_dir / stale).unlink(missing_ok=True)
+            spec = SimSpec(workers=p, servers=cfg.cluster.servers,
+                           compute=ComputeModel(per_sample=per_sample[p], measured=True), network=network)
+            echo(f"simulated P={p} {name}")
+            sim = simulate(cfg, spec, run_dir)
+            r = real[p, name]
+            rows.append(Row(p, name, _per_step(r), _per_step(sim), r["time_to_target_seconds"],
+                            sim["time_to_target_seconds"]))
+    return rows, {"alpha": alpha, "beta": beta, **{f"per_sample_P{p}": per_sample[p] for p in workers}}
+
+
+def table(rows: list[Row], calibration: dict[str, float]) -> str:
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{x:+.0%}"
+
+    def sec(x: float | None, digits: int = 4) -> str:
+        return "-" if x is None else f"{x:.{digits}f}"
+    lines = ["| P | configuration | real s/step | simulated s/step | error | real time to target s | "
+             "simulated s | error |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        mark = " (calibration)" if r.config == REFERENCE else ""
+        lines.append(f"| {r.workers} | {r.config}{mark} | {sec(r.real_step)} | {sec(r.sim_step)} | "
+                     f"{pct(r.step_error)} | {sec(r.real_ttt, 2)} | {sec(r.sim_ttt, 2)} | {pct(r.ttt_error)} |")
+    within = [r for r in rows if abs(r.step_error) <= TOLERANCE]
+    ttt = [r for r in rows if r.ttt_error is not None]
+    ttt_within = [r for r in ttt if abs(r.ttt_error) <= TOLERANCE]
+    lines.append("")
+    lines.append(f"Time per step within {TOLERANCE:.0%}: {len(within)} of {len(rows)}; time to target within "
+                 f"{TOLERANCE:.0%}: {len(ttt_within)} of {len(ttt)} (both reached).")
+    for p in sorted({r.workers for r in rows}):
+        at = [r for r in rows if r.workers == p]
+        real_order = [r.config for r in sorted(at, key=lambda r: r.real_step)]
+        sim_order = [r.config for r in sorted(at, key=lambda r: r.sim_step)]
+        same = real_order == sim_order
+        lines.append(f"P={p}: ranking by time per step {'the same' if same else 'differs'}: real "
+                     f"{' < '.join(real_order)}; simulated {' < '.join(sim_order)}.")
+    lines.append(f"Calibration: alpha {calibration['alpha'] * 1e6:.1f} us, 1/beta "
+                 f"{(1 / calibration['beta'] / 1e9 if calibration['beta'] else math.inf):.2f} GB/s, compute per "
+                 "sample " + ", ".join(f"{k[-2:]} {v * 1e6:.1f} us" for k, v in calibration.items()
+                                       if k.startswith("per_sample")) + ".")
+    return "\n".join(lines)
