@@ -31,7 +31,7 @@ from plexus.strategies.base import make_optimizer
 from plexus.train.batches import GlobalBatches
 from plexus.train.evaluation import loss_fn
 
-__all__ = ["LocalSgdSim", "GossipSim"]
+__all__ = ["LocalSgdSim", "GossipSim", "EasgdSim", "AdPsgdSim"]
 
 
 class _Replicas(Simulation):
@@ -72,6 +72,17 @@ class _Replicas(Simulation):
         if self.replica is not None:
             self.replica.load(self._average_model())
         return out
+
+    def _event_outcome(self, failed: str | None, updates: int, extra: dict) -> Outcome:
+        """The outcome of an event-driven run (``self.done``, ``sent``, ``lost``, ``end``,
+        ``compute`` and ``queue`` kept by the engine)."""
+        steps = sum(self.done)
+        compute = float(self.compute.mean())
+        return Outcome(virtual_seconds=self.end, steps=steps, steps_per_worker=list(self.done),
+                       samples=steps * self.share, bytes_sent=[int(b) for b in self.sent],
+                       lost_workers=self.lost, failed=failed, updates_applied=updates,
+                       compute_seconds=compute, wait_seconds=max(0.0, self.end - compute),
+                       events=self.queue.events, extra=extra)
 
     def _after_step(self, done: int, steps: int, loss: float | None, clocks: np.ndarray, sent: int) -> bool:
         """Log step ``done`` and take its snapshot when one is due; True when the snapshot
@@ -244,3 +255,261 @@ class GossipSim(_Replicas):
         out.bytes_sent = [int(b) for b in sent]
         out.extra = {"topology": s.topology, "degree_max": int(max(len(topology.peers(r)) for r in range(p)))}
         return self._finish(out, clocks, step + 1, compute)
+
+
+class EasgdSim(_Replicas):
+    """Asynchronous EASGD: workers on their own partitions and pace, an elastic exchange
+    with the centre every ``--period`` steps. The centre is a server with one link: an
+    exchange queues on it, the server answers with the centre before the update and adds
+    the elastic difference, and the worker subtracts the same difference on the reply."""
+
+    def run(self, steps: int) -> Outcome:
+        from plexus.decentral.averaging import elastic_difference
+        from plexus.sim.events import EventQueue
+        from plexus.train.batches import PartitionBatches
+        cfg, p = self.cfg, self.workers
+        self.alpha, self.period, self.steps = cfg.strategy.elastic_alpha, cfg.strategy.period, steps
+        self.diff = elastic_difference
+        self.maths = self.replica is not None
+        if self.maths:
+            self._replicas()
+            self.centre = self.flats[0].flat.clone()
+            n = len(self.data.x_train)
+            self.batches = [PartitionBatches(n, self.share, cfg.run.seed, r, p) for r in range(p)]
+        self.queue = EventQueue()
+        self.done = [0] * p
+        self.alive = [True] * p
+        self.busy_until = 0.0  # the centre's link and update, one exchange at a time
+        self.compute = np.zeros(p)
+        self.sent = np.zeros(p, dtype=np.int64)
+        self.exchanges = 0
+        self.failed: str | None = None
+        self.lost: list[int] = []
+        self.end = 0.0
+        self._evals = 0
+        for (role, rank), t in sorted(self.fail_at.items(), key=lambda kv: kv[1]):
+            self.queue.at(t, self._die, role, rank)
+        for r in range(p):
+            self._start(r)
+        self.queue.run()
+        out = self._event_outcome(self.failed, self.exchanges, {"exchanges": self.exchanges})
+        if self.maths:
+            self.replica.load(self.centre)
+        return out
+
+    def _start(self, r: int) -> None:
+        if not self.alive[r] or self.failed or self.done[r] >= self.steps:
+            return
+        t = float(self.compute_times(np.array([r]))[0])
+        self.compute[r] += t
+        loss = None
+        if self.maths:
+            idx = self.batches[r].indices(self.done[r])
+            loss = self._backward(r, self.data.x_train[idx], self.data.y_train[idx])
+            self.optimizers[r].step()
+        self.queue.after(t, self._stepped, r, loss)
+
+    def _stepped(self, r: int, loss: float | None) -> None:
+        if not self.alive[r] or self.failed:
+            return
+        self.end = self.queue.now
+        self.done[r] += 1
+        if r == 0 and self.done[0] % self.cfg.run.log_every == 0:
+            self.log("train", time=self.queue.now, worker=0, step=self.done[0], loss=loss,
+                     samples=sum(self.done) * self.share, worker_samples=self.done[0] * self.share,
+                     bytes_sent=int(self.sent[0]), bytes_recv=None, staleness=None)
+        if self.done[r] % self.period:
+            self._start(r)
+            return
+        net = self.net
+        self.sent[r] += self.nbytes
+        reach = self.queue.now + net.alpha + self.nbytes * net.beta
+        start = max(reach, self.busy_until)
+        self.busy_until = start + self.nbytes * net.beta  # the reply leaves on the same link
+        sent = self.flats[r].flat.clone() if self.maths else None
+        self.queue.at(start, self._at_centre, r, sent)
+
+    def _at_centre(self, r: int, sent) -> None:
+        if self.failed:
+            return
+        reply = None
+        if self.maths:
+            reply = self.centre.clone()
+            self.centre.add_(self.diff(sent, reply, self.alpha))
+        self.exchanges += 1
+        self.queue.at(self.busy_until + self.net.alpha, self._reply, r, reply)
+
+    def _reply(self, r: int, reply) -> None:
+        if not self.alive[r] or self.failed:
+            return
+        self.end = self.queue.now
+        if self.maths:
+            flat = self.flats[r].flat
+            flat.sub_(self.diff(flat, reply, self.alpha))
+        if r == 0:
+            self._eval_if_due()
+        self._start(r)
+
+    def _eval_if_due(self) -> None:
+        every = self.cfg.run.eval_every
+        if not every or not self.maths or self.done[0] // every <= self._evals or self.done[0] >= self.steps:
+            return
+        self._evals = self.done[0] // every
+        self.replica.load(self.centre)
+        if self.evaluate(self.queue.now, self.done[0], sum(self.done) * self.share):
+            self.queue.stop()
+
+    def _die(self, role: str, rank: int) -> None:
+        if self.failed or all(d >= self.steps or not a for d, a in zip(self.done, self.alive)):
+            return
+        if role == "server" or rank == 0:
+            # The centre, or worker 0 that holds the evaluated model: the job cannot go on.
+            self.failed = f"{role} {rank} died at {self.queue.now:.3f} s (simulated)"
+            self.end = self.queue.now
+            self.queue.stop()
+            return
+        self.alive[rank] = False
+        self.lost.append(rank)
+
+
+class AdPsgdSim(_Replicas):
+    """AD-PSGD (``gossip --async``): each worker computes a gradient on a copy of its
+    replica; an active worker then averages its replica with one random neighbour
+    (``decentral/pairing.py``), atomically for the pair, and applies the gradient.
+
+    A worker's replica is locked while its own averaging is in flight, as the real
+    worker's lock is: an averaging that reaches a locked worker waits until it is
+    released. Each averaging costs two messages of the whole model on the pair's link.
+    The workers share one budget of steps x P updates (``train/budget.py``)."""
+
+    def run(self, steps: int) -> Outcome:
+        from plexus.decentral.pairing import Pairing
+        from plexus.sim.events import EventQueue
+        from plexus.train.batches import PartitionBatches
+        cfg, p, s = self.cfg, self.workers, self.cfg.strategy
+        self.pairing = Pairing(make_topology(s.topology, p, s.mixing), cfg.run.seed)
+        self.maths = self.replica is not None
+        if self.maths:
+            self._replicas()
+            n = len(self.data.x_train)
+            self.batches = [PartitionBatches(n, self.share, cfg.run.seed, r, p) for r in range(p)]
+            self.compute_model = copy.deepcopy(self.replica.model)
+            self.compute_flat = FlatParameters(self.compute_model)
+        self.queue = EventQueue()
+        self.budget, self.claimed = steps * p, 0
+        self.done = [0] * p
+        self.alive = [True] * p
+        self.live = set(range(p))
+        self.locked = [False] * p
+        self.waiting: list[list] = [[] for _ in range(p)]  # averagings held by a locked worker
+        self.grads: list = [None] * p
+        self.compute = np.zeros(p)
+        self.sent = np.zeros(p, dtype=np.int64)
+        self.averagings = 0
+        self.lost: list[int] = []
+        self.end = 0.0
+        self._evals = 0
+        for (role, rank), t in sorted(self.fail_at.items(), key=lambda kv: kv[1]):
+            if role == "worker":
+                self.queue.at(t, self._die, rank)
+        for r in range(p):
+            self._start(r)
+        self.queue.run()
+        failed = None if any(self.alive) else f"every worker was lost ({p} of {p})"
+        out = self._event_outcome(failed, sum(self.done), {"averagings": self.averagings})
+        if self.maths:
+            self.replica.load(self._average_model([r for r in range(p) if self.alive[r]]))
+        return out
+
+    def _average_model(self, ranks: list[int] | None = None) -> torch.Tensor:
+        ranks = list(range(self.workers)) if ranks is None else ranks
+        total = rank_sum([self.flats[r].flat.double() for r in ranks])
+        return total.div_(len(ranks)).float()
+
+    def _start(self, r: int) -> None:
+        if not self.alive[r] or self.claimed >= self.budget:
+            return
+        self.claimed += 1
+        t = float(self.compute_times(np.array([r]))[0])
+        self.compute[r] += t
+        if self.maths:
+            # The gradient at a copy of the replica as it is now (the real worker's compute model).
+            self.compute_flat.flat.copy_(self.flats[r].flat)
+            self.compute_model.zero_grad(set_to_none=True)
+            idx = self.batches[r].indices(self.done[r])
+            loss_fn(self.compute_model, self.data.x_train[idx], self.data.y_train[idx]).backward()
+            self.grads[r] = [g.clone() for g in self.compute_flat.grads()]
+        self.queue.after(t, self._computed, r)
+
+    def _computed(self, r: int) -> None:
+        if not self.alive[r]:
+            return
+        peer = self.pairing.pick(r, self.live) if self.pairing.active(r) else None
+        if peer is None:
+            self._apply(r)
+            return
+        self.locked[r] = True
+        self.sent[r] += self.nbytes
+        self.queue.after(self.net.alpha + self.nbytes * self.net.beta, self._arrive, peer, r)
+
+    def _arrive(self, j: int, i: int) -> None:
+        """Worker i's replica reaches j, which averages with it and answers."""
+        if not self.alive[j]:
+            # The link breaks: i drops j (the real worker logs it) and applies its gradient.
+            self.live.discard(j)
+            self.locked[i] = False
+            self._release(i)
+            self._apply(i)
+            return
+        if self.locked[j]:
+            self.waiting[j].append(i)
+            return
+        if self.maths:
+            self.flats[j].flat.add_(self.flats[i].flat).mul_(0.5)
+        self.averagings += 1
+        self.sent[j] += self.nbytes
+        self.queue.after(self.net.alpha + self.nbytes * self.net.beta, self._answered, i, j)
+
+    def _answered(self, i: int, j: int) -> None:
+        if self.maths:
+            self.flats[i].flat.copy_(self.flats[j].flat)
+        self.locked[i] = False
+        self._release(i)
+        if self.alive[i]:
+            self._apply(i)
+
+    def _release(self, r: int) -> None:
+        """Serve the averagings that waited for ``r``'s lock."""
+        held, self.waiting[r] = self.waiting[r], []
+        for i in held:
+            self._arrive(r, i)
+
+    def _apply(self, r: int) -> None:
+        if self.maths:
+            for param, g in zip(self.flats[r].params, self.grads[r]):
+                param.grad = g
+            self.optimizers[r].step()
+        self.done[r] += 1
+        self.end = self.queue.now
+        if r == 0 and self.done[0] % self.cfg.run.log_every == 0:
+            self.log("train", time=self.queue.now, worker=0, step=self.done[0], loss=None,
+                     samples=sum(self.done) * self.share, worker_samples=self.done[0] * self.share,
+                     bytes_sent=int(self.sent[0]), bytes_recv=None, staleness=None)
+        every = self.cfg.run.eval_every
+        if r == 0 and every and self.maths and self.done[0] // every > self._evals:
+            self._evals = self.done[0] // every
+            self.replica.load(self.flats[0].flat)  # worker 0's replica, as the real run evaluates
+            if self.evaluate(self.queue.now, self.done[0], sum(self.done) * self.share):
+                self.queue.stop()
+                return
+        self._start(r)
+
+    def _die(self, rank: int) -> None:
+        if not self.alive[rank] or self.claimed >= self.budget and not any(self.locked):
+            return
+        self.alive[rank] = False
+        self.lost.append(rank)
+        self.live.discard(rank)
+        for i in self.waiting[rank]:
+            self._arrive(rank, i)  # their links break
+        self.waiting[rank] = []

@@ -20,7 +20,7 @@ from plexus.errors import ConfigError
 from plexus.sim.cluster import ComputeModel, SimSpec, profile_compute
 from plexus.sim.engines import AllReduceSim, Outcome, ParameterServerSim
 from plexus.sim.maths import Replica
-from plexus.sim.replicas import GossipSim, LocalSgdSim
+from plexus.sim.replicas import AdPsgdSim, EasgdSim, GossipSim, LocalSgdSim
 from plexus.train.data import load_dataset
 from plexus.train.evaluation import loss_fn
 from plexus.train.metrics import MetricsLog
@@ -30,7 +30,8 @@ from plexus.train.runner import total_steps
 __all__ = ["simulate", "check", "SIMULATED"]
 
 # The simulated job of each strategy the simulator models today.
-ENGINES = {"allreduce": AllReduceSim, "ps": ParameterServerSim, "local-sgd": LocalSgdSim, "gossip": GossipSim}
+ENGINES = {"allreduce": AllReduceSim, "ps": ParameterServerSim, "local-sgd": LocalSgdSim, "gossip": GossipSim,
+           "easgd": EasgdSim}
 SIMULATED = tuple(ENGINES)
 
 
@@ -46,8 +47,6 @@ def check(cfg: JobConfig, spec: SimSpec) -> None:
     if cfg.run.batch_size % spec.workers:
         raise ConfigError(f"batch_size {cfg.run.batch_size} must be divisible by --sim-workers {spec.workers} "
                           f"(each worker takes an equal share): pass --batch-size {spec.workers * 32} for example")
-    if strategy == "gossip" and cfg.strategy.async_gossip:
-        raise ConfigError("plexus simulate models gossip in lockstep (D-PSGD), not --async (AD-PSGD) yet: drop --async")
     if cfg.run.time_limit is not None:
         raise ConfigError("--time-limit is wall-clock time; a simulation's time is virtual: pass --steps")
     if strategy == "ps" and cfg.strategy.consistency == "bsp" and cfg.strategy.backup_workers:
@@ -86,8 +85,9 @@ def simulate(cfg: JobConfig, spec: SimSpec, run_dir: Path | None) -> dict[str, A
                 model="global")
         return target is not None and accuracy >= target
 
-    engine = ENGINES[cfg.strategy.strategy](cfg, spec, data, replica, log.log,
-                                            evaluate if replica is not None else (lambda *a: False))
+    kind = AdPsgdSim if cfg.strategy.strategy == "gossip" and cfg.strategy.async_gossip else \
+        ENGINES[cfg.strategy.strategy]
+    engine = kind(cfg, spec, data, replica, log.log, evaluate if replica is not None else (lambda *a: False))
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
