@@ -1,7 +1,8 @@
 """``plexus simulate`` (plexus/sim/): the real rules and maths under virtual time.
 
 - a simulated synchronous run equals the real run's model bit for bit (allreduce ring and
-  master, ps bsp with two servers, local SGD with AdaComm over ring, D-PSGD on a ring),
+  master, ps bsp with two servers, local SGD with AdaComm over ring, D-PSGD on a ring, a
+  synchronous tree-ps with two aggregators),
   because it drives the same bucket layout, reduction order, gate, server optimizer,
   averaging schedule and mixing;
 - the same seed gives the same run, update order included; another seed does not;
@@ -60,8 +61,9 @@ def test_events_run_in_time_order_and_ties_in_scheduling_order():
                                    {"strategy": "ps", "consistency": "bsp", "servers": 2},
                                    {"strategy": "local-sgd", "algorithm": "ring", "period": 4, "adaptive": True,
                                     "average_optimizer_state": True},
-                                   {"strategy": "gossip", "topology": "ring"}],
-                         ids=["ring", "master", "ps-bsp", "local-sgd-adacomm", "gossip"])
+                                   {"strategy": "gossip", "topology": "ring"},
+                                   {"strategy": "tree-ps", "variant": "adv", "fanout": 2, "softsync": 4}],
+                         ids=["ring", "master", "ps-bsp", "local-sgd-adacomm", "gossip", "tree-ps-sync"])
 def test_a_simulated_synchronous_run_equals_the_real_one_bit_for_bit(tmp_path, flags):
     from plexus.train.job import run_local
     run_local(_cfg(tmp_path / "real", **flags))
@@ -70,6 +72,15 @@ def test_a_simulated_synchronous_run_equals_the_real_one_bit_for_bit(tmp_path, f
     assert real.keys() == sim.keys()
     assert all(torch.equal(real[k], sim[k]) for k in real), {k: (real[k] - sim[k]).abs().max() for k in real}
     assert summary["simulated"] and summary["status"] == "completed" and summary["steps"] == 30
+
+
+def test_an_asynchronous_tree_learns_with_staleness_like_the_real_one(tmp_path):
+    """tree-ps adv at 8 workers under its defaults (asp through 6 aggregators): the real run
+    reached 0.933 with mean staleness 6.0 at 150 steps (measured); the simulation must learn
+    and show a staleness of the same order."""
+    summary = _sim(tmp_path, "tree", _cfg(strategy="tree-ps", workers=8, steps=150))
+    assert summary["status"] == "completed" and summary["final_test_accuracy"] > 0.85
+    assert 3 <= summary["staleness_mean"] <= 10 and summary["sim"]["aggregators"] == 6
 
 
 def test_the_same_seed_gives_the_same_update_order_and_another_seed_another(tmp_path):
@@ -115,11 +126,13 @@ def test_a_failed_worker_ends_allreduce_and_is_dropped_under_asp(tmp_path):
     assert survived["final_test_accuracy"] > 0.8
 
 
-@pytest.mark.parametrize("flags", [{"strategy": "easgd"}, {"strategy": "gossip", "async": True}],
-                         ids=["easgd", "ad-psgd"])
+@pytest.mark.parametrize("flags", [{"strategy": "easgd"}, {"strategy": "gossip", "async": True},
+                                   {"strategy": "tree-ps", "variant": "base", "softsync": 2}],
+                         ids=["easgd", "ad-psgd", "tree-ps-base"])
 def test_asynchronous_replicas_learn_and_outlive_a_worker(tmp_path, flags):
-    """EASGD and AD-PSGD, event by event: they learn as the real runs do (0.97 and 0.98
-    at 300 steps on 4 workers, measured), and go on without a worker that dies."""
+    """EASGD, AD-PSGD and the flat tree-ps, event by event: they learn as the real runs do
+    (0.97 and 0.98 at 300 steps on 4 workers, measured), and go on without a worker that
+    dies."""
     learned = _sim(tmp_path, "ok", _cfg(steps=150, **flags))
     assert learned["status"] == "completed" and learned["final_test_accuracy"] > 0.9
     survived = _sim(tmp_path, "lost", _cfg(steps=150, **flags), failures=parse_fail("worker:2@t=0.01"))
@@ -145,7 +158,8 @@ def test_the_cli_writes_a_run_directory_marked_simulated_and_stops_at_a_target(t
     (["--compute", "-0.001"], "--compute must be a finite time >= 0"),
     (["--compute-jitter", "pareto:0.5"], "--compute-jitter must be"),
     (["--timing-only", "--target-accuracy", "0.9"], "--timing-only skips the maths"),
-    (["--strategy", "sandblaster"], "plexus simulate models allreduce, ps, local-sgd, gossip, easgd"),
+    (["--strategy", "sandblaster"], "plexus simulate models allreduce, ps, tree-ps, local-sgd, gossip, easgd"),
+    (["--strategy", "tree-ps", "--variant", "adv-star"], "not adv-star yet"),
     (["--fail", "worker:9@t=1"], "--fail worker:9"),
     (["--sim-workers", "3"], "batch_size must be divisible by workers (3)"),
 ])

@@ -41,7 +41,7 @@ from plexus.sim.events import EventQueue
 from plexus.sim.maths import BucketedGradients, Replica
 from plexus.train.batches import GlobalBatches, PartitionBatches
 
-__all__ = ["Outcome", "Simulation", "AllReduceSim", "ParameterServerSim"]
+__all__ = ["Outcome", "Simulation", "AllReduceSim", "ParameterServerSim", "server_update"]
 
 # Bytes of a message header on the wire (ps/protocol.py's int64 header, rounded).
 HEADER_BYTES = 128
@@ -199,6 +199,23 @@ def _buckets_of(sizes: list[int], bucket_bytes: int) -> list[int]:
     return buckets
 
 
+def server_update(params: torch.Tensor, optimizer, dense: list[torch.Tensor], divisor: int, stale: list[int],
+                  staleness_lr: bool) -> torch.Tensor:
+    """The new weights after one update of a group, as ``ps/server.py`` applies it: the
+    sum of the group's gradients in its order, divided, through the server optimizer."""
+    if len(dense) == 1 and divisor == 1:
+        grad = dense[0]
+    else:
+        grad = dense[0].clone()
+        for more in dense[1:]:
+            grad.add_(more)
+        grad.div_(divisor)
+    out = torch.empty_like(params)
+    optimizer.step(params, grad, staleness_lr_scale(stale) if staleness_lr else 1.0, out=out)
+    optimizer.tick()
+    return out
+
+
 @dataclass
 class _Worker:
     rank: int
@@ -339,20 +356,8 @@ class ParameterServerSim(Simulation):
                 self.hist.record(self.version - push.version)
                 self.out.order.append((push.worker, push.clock))
             if self.params is not None:
-                dense = [push.payload for push in group]
-                divisor = self.gate.divisor(group)
-                if len(dense) == 1 and divisor == 1:
-                    grad = dense[0]
-                else:  # the server's sum in rank order, divided
-                    grad = dense[0].clone()
-                    for more in dense[1:]:
-                        grad.add_(more)
-                    grad.div_(divisor)
-                scale = staleness_lr_scale(stale) if self.cfg.strategy.staleness_lr else 1.0
-                out = torch.empty_like(self.params)
-                self.optimizer.step(self.params, grad, scale, out=out)
-                self.optimizer.tick()
-                self.params = out
+                self.params = server_update(self.params, self.optimizer, [push.payload for push in group],
+                                            self.gate.divisor(group), stale, self.cfg.strategy.staleness_lr)
             self.version += 1
 
     def _serve(self, only: _Worker | None = None) -> None:

@@ -21,6 +21,7 @@ from plexus.sim.cluster import ComputeModel, SimSpec, profile_compute
 from plexus.sim.engines import AllReduceSim, Outcome, ParameterServerSim
 from plexus.sim.maths import Replica
 from plexus.sim.replicas import AdPsgdSim, EasgdSim, GossipSim, LocalSgdSim
+from plexus.sim.tree import tree_engine
 from plexus.train.data import load_dataset
 from plexus.train.evaluation import loss_fn
 from plexus.train.metrics import MetricsLog
@@ -30,8 +31,8 @@ from plexus.train.runner import total_steps
 __all__ = ["simulate", "check", "SIMULATED"]
 
 # The simulated job of each strategy the simulator models today.
-ENGINES = {"allreduce": AllReduceSim, "ps": ParameterServerSim, "local-sgd": LocalSgdSim, "gossip": GossipSim,
-           "easgd": EasgdSim}
+ENGINES = {"allreduce": AllReduceSim, "ps": ParameterServerSim, "tree-ps": None, "local-sgd": LocalSgdSim,
+           "gossip": GossipSim, "easgd": EasgdSim}
 SIMULATED = tuple(ENGINES)
 
 
@@ -49,6 +50,12 @@ def check(cfg: JobConfig, spec: SimSpec) -> None:
                           f"(each worker takes an equal share): pass --batch-size {spec.workers * 32} for example")
     if cfg.run.time_limit is not None:
         raise ConfigError("--time-limit is wall-clock time; a simulation's time is virtual: pass --steps")
+    if strategy == "tree-ps" and cfg.strategy.variant == "adv-star":
+        raise ConfigError("plexus simulate models tree-ps --variant adv and base, not adv-star yet: pass "
+                          "--variant adv")
+    if strategy == "tree-ps" and cfg.strategy.variant == "adv" and (spec.failures or spec.fail_rate):
+        raise ConfigError("plexus simulate does not kill processes in a tree-ps tree yet: drop --fail and "
+                          "--fail-rate, or simulate --variant base")
     if strategy == "ps" and cfg.strategy.consistency == "bsp" and cfg.strategy.backup_workers:
         raise ConfigError("plexus simulate does not model --backup-workers yet: drop it")
 
@@ -87,6 +94,8 @@ def simulate(cfg: JobConfig, spec: SimSpec, run_dir: Path | None) -> dict[str, A
 
     kind = AdPsgdSim if cfg.strategy.strategy == "gossip" and cfg.strategy.async_gossip else \
         ENGINES[cfg.strategy.strategy]
+    if cfg.strategy.strategy == "tree-ps":
+        kind, cfg = tree_engine(cfg)
     engine = kind(cfg, spec, data, replica, log.log, evaluate if replica is not None else (lambda *a: False))
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(1)
