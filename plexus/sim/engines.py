@@ -239,7 +239,10 @@ class ParameterServerSim(Simulation):
         cfg, spec, p = self.cfg, self.spec, self.workers
         s = cfg.strategy
         servers = max(1, spec.servers)
-        self.gate = make_consistency(s.consistency, p, s.staleness, s.softsync)
+        # Backup workers (Chen et al. 2016): a step is the first P - b pushes computed on its
+        # weights; a worker that fell behind skips to the job's step (DownpourStrategy.job_step).
+        self.backups = s.backup_workers if s.consistency == "bsp" else 0
+        self.gate = make_consistency(s.consistency, p, s.staleness, s.softsync, self.backups)
         self.synchronous = is_synchronous(s.consistency, p, s.staleness, s.softsync)
         for r in range(p):
             self.gate.join(r)
@@ -280,6 +283,10 @@ class ParameterServerSim(Simulation):
         out.steps_per_worker = [w.steps for w in self.ws]
         out.steps = sum(out.steps_per_worker) if not self.synchronous else max(out.steps_per_worker)
         out.samples = sum(out.steps_per_worker) * self.share
+        if self.backups:  # the job's steps, each of P - b gradients; late pushes are dropped
+            out.steps = self.version
+            out.samples = self.version * (p - self.backups) * self.share
+            out.extra = {"late_pushes": sum(self.gate.late.values()), "backup_workers": self.backups}
         out.bytes_sent = [w.sent for w in self.ws]
         out.updates_applied = self.version
         out.staleness = self.hist
@@ -295,6 +302,8 @@ class ParameterServerSim(Simulation):
     def _may_step(self, w: _Worker) -> bool:
         if not w.alive or self.out.failed:
             return False
+        if self.backups:
+            return w.version < self.steps  # the job has made its steps, with or without this worker
         if self.budget is None:
             return w.steps < self.steps
         if self.claimed >= self.budget:
@@ -310,7 +319,8 @@ class ParameterServerSim(Simulation):
         w.busy = True
         t = float(self.compute_times(np.array([w.rank]))[0])
         if self.params is not None:
-            idx = (w.batches.worker_indices(w.steps, w.rank, self.workers) if self.synchronous
+            step = w.version if self.backups else w.steps
+            idx = (w.batches.worker_indices(step, w.rank, self.workers) if self.synchronous
                    else w.batches.indices(w.steps))
             self.replica.load(self._held[w.rank])
             w.grad, w.loss = self.replica.flat_grad(self.data.x_train[idx], self.data.y_train[idx])

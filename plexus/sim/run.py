@@ -56,8 +56,6 @@ def check(cfg: JobConfig, spec: SimSpec) -> None:
     if strategy == "tree-ps" and cfg.strategy.variant == "adv" and (spec.failures or spec.fail_rate):
         raise ConfigError("plexus simulate does not kill processes in a tree-ps tree yet: drop --fail and "
                           "--fail-rate, or simulate --variant base")
-    if strategy == "ps" and cfg.strategy.consistency == "bsp" and cfg.strategy.backup_workers:
-        raise ConfigError("plexus simulate does not model --backup-workers yet: drop it")
 
 
 def simulate(cfg: JobConfig, spec: SimSpec, run_dir: Path | None) -> dict[str, Any]:
