@@ -21,6 +21,7 @@ from plexus.sim.cluster import ComputeModel, SimSpec, profile_compute
 from plexus.sim.engines import AllReduceSim, Outcome, ParameterServerSim
 from plexus.sim.maths import Replica
 from plexus.sim.replicas import AdPsgdSim, EasgdSim, GossipSim, LocalSgdSim
+from plexus.sim.sandblaster import SandblasterSim
 from plexus.sim.tree import tree_engine
 from plexus.train.data import load_dataset
 from plexus.train.evaluation import loss_fn
@@ -32,7 +33,7 @@ __all__ = ["simulate", "check", "SIMULATED"]
 
 # The simulated job of each strategy the simulator models today.
 ENGINES = {"allreduce": AllReduceSim, "ps": ParameterServerSim, "tree-ps": None, "local-sgd": LocalSgdSim,
-           "gossip": GossipSim, "easgd": EasgdSim}
+           "gossip": GossipSim, "easgd": EasgdSim, "sandblaster": SandblasterSim}
 SIMULATED = tuple(ENGINES)
 
 
@@ -45,7 +46,7 @@ def check(cfg: JobConfig, spec: SimSpec) -> None:
     if spec.timing_only and cfg.run.target_accuracy is not None:
         raise ConfigError("--timing-only skips the maths, so no accuracy is measured: drop --target-accuracy, "
                           "or drop --timing-only to simulate with the real maths")
-    if cfg.run.batch_size % spec.workers:
+    if cfg.run.batch_size % spec.workers and strategy != "sandblaster":  # sandblaster hands out units
         raise ConfigError(f"batch_size {cfg.run.batch_size} must be divisible by --sim-workers {spec.workers} "
                           f"(each worker takes an equal share): pass --batch-size {spec.workers * 32} for example")
     if cfg.run.time_limit is not None:
@@ -64,7 +65,8 @@ def simulate(cfg: JobConfig, spec: SimSpec, run_dir: Path | None) -> dict[str, A
     check(cfg, spec)
     started = time.perf_counter()
     data = load_dataset(cfg.data, cfg.run.seed)
-    if cfg.run.batch_size > len(data.x_train) and not spec.timing_only:  # timing alone reads no sample
+    # Timing alone reads no sample; Sandblaster's batch caps at the training set (full batch).
+    if cfg.run.batch_size > len(data.x_train) and not spec.timing_only and cfg.strategy.strategy != "sandblaster":
         raise ConfigError(f"batch_size must not exceed the training set ({len(data.x_train)} samples), got "
                           f"{cfg.run.batch_size}: pass a smaller --batch-size")
     torch.manual_seed(cfg.run.seed)
