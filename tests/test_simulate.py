@@ -227,3 +227,12 @@ def test_the_validation_table_counts_errors_and_compares_rankings():
     assert "| 2 | allreduce ring (calibration) | 0.0100 | 0.0110 | +10% |" in text
     assert "Time per step within 15%: 1 of 3; time to target within 15%: 2 of 2" in text
     assert "P=2: ranking by time per step the same: real gossip ring < allreduce ring < ps asp" in text
+
+
+def test_bench_simulate_prints_its_table(capsys):
+    assert main(["bench", "simulate", "--steps", "10", "--rows", "0", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("| configuration | workers | steps | real s |")
+    assert out[2].startswith("| allreduce ring, real maths | 1,000 | 10 |")
+    assert out[3].startswith("| allreduce ring, timing only | 10,000 | 10 |")
+    assert "not judged: --steps < 1000" in out[-1]
