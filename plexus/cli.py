@@ -19,9 +19,12 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from plexus.config import TRANSPORTS
+
+if TYPE_CHECKING:
+    from plexus.report.judging import Judged
 
 __all__ = ["main", "build_parser"]
 
@@ -178,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("specs", nargs="+", metavar="SPEC",
                          help="STRATEGY[:key=value,...], e.g. allreduce:algorithm=ring,workers=4")
     add_job_arguments(compare)
+    compare.add_argument("--seeds", dest="seeds", type=int, metavar="N",
+                         help="run every spec with seeds --seed, --seed+1, ..., --seed+N-1 and judge each over "
+                              "them: time to best and to target, extra hyper-parameters, stability, cost (default 1)")
     simulate = sub.add_parser("simulate", help="the same job on a simulated cluster: real maths, virtual time",
                               argument_default=argparse.SUPPRESS)
     add_job_arguments(simulate)
@@ -248,7 +254,8 @@ def job_config(args: argparse.Namespace, extra: dict[str, Any] | None = None):
     source (file, flag, spec) and the keys left unset take their strategy's defaults."""
     from plexus.config import JobConfig
     flat = vars(args).copy()
-    for key in ("command", "specs", "config", "print_config", "print_plan", *LAUNCHER_KEYS, *SIMULATE_KEYS):
+    for key in ("command", "specs", "seeds", "config", "print_config", "print_plan", *LAUNCHER_KEYS,
+                *SIMULATE_KEYS):
         flat.pop(key, None)
     merged = _load_toml(args.config) if getattr(args, "config", None) else {}
     merged = {k.replace("-", "_"): v for k, v in merged.items()}
@@ -486,48 +493,73 @@ def _compare(args: argparse.Namespace) -> int:
     Every spec is built and validated (``plexus.train.job.validate``) before any trains, so
     a bad one costs nothing. A spec that fails while training becomes a failed row with
     its error and the others go on; the status is then 1.
+
+    With ``--seeds N`` (N > 1) each spec runs with seeds --seed (or the spec's own seed),
+    +1, ..., +N-1, into ``OUT/NN-spec/seed-S``, and the table judges each spec over its
+    seeds (``plexus.report.judging``) instead of listing the runs.
     """
     from plexus.errors import ConfigError, PlexusError
     from plexus.report import write_report
     from plexus.train.job import run_local, validate
+    seeds = getattr(args, "seeds", 1)
+    if seeds < 1:
+        raise ConfigError(f"--seeds must be at least 1, got {seeds}: pass --seeds 3 to run every spec with 3 seeds")
     base = job_config(args)
     root = Path(base.run.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}")
     if base.run.out:  # the runs go into sub-directories of --out: refuse an earlier compare's
         from plexus.train.preflight import check_run_dir
         check_run_dir(root, base.run.overwrite)
-    configs = []
+    jobs: list[tuple[int, str, Any]] = []  # (spec number, spec, config) of every run, spec by spec
     for i, text in enumerate(args.specs, 1):
         try:
             spec = parse_spec(text)
-            cfg = job_config(args, {**spec, "out": str(root / f"{i:02d}-{_slug(text)}")})
-            validate(cfg)
+            folder = root / f"{i:02d}-{_slug(text)}"
+            cfgs = [job_config(args, {**spec, "out": str(folder)})]
+            if seeds > 1:
+                first = cfgs[0].run.seed  # --seed, or the spec's own
+                cfgs = [job_config(args, {**spec, "seed": seed, "out": str(folder / f"seed-{seed}")})
+                        for seed in range(first, first + seeds)]
+            validate(cfgs[0])  # the other seeds differ in the seed only, which cfgs checked
         except ConfigError as exc:
             raise ConfigError(f"compare spec {i} {text!r}: {exc} (nothing was trained)") from None
-        configs.append(cfg)
-    _shared_flags_apply(base, configs)
+        jobs.extend((i, text, cfg) for cfg in cfgs)
+    _shared_flags_apply(base, [cfg for _, _, cfg in jobs])
     rows: list[tuple[str, Path, dict[str, Any], str | None]] = []
-    for i, (text, cfg) in enumerate(zip(args.specs, configs), 1):
-        print(f"== [{i}/{len(configs)}] {text}", file=sys.stderr)
+    for n, (i, text, cfg) in enumerate(jobs, 1):
+        what = text if seeds == 1 else f"{text} (seed {cfg.run.seed})"
+        print(f"== [{n}/{len(jobs)}] {what}", file=sys.stderr)
         try:
             run_dir, summary = run_local(cfg)
             rows.append((text, run_dir, summary, None))
         except PlexusError as exc:
-            print(f"plexus: spec {text!r} failed: {exc}; going on with the others", file=sys.stderr)
+            print(f"plexus: spec {what!r} failed: {exc}; going on with the others", file=sys.stderr)
             rows.append((text, Path(cfg.run.out), {"status": "failed", "error": str(exc)}, str(exc)))
         except KeyboardInterrupt:
-            print(f"plexus: interrupted during spec {text!r}; the table covers the runs that finished",
+            print(f"plexus: interrupted during spec {what!r}; the table covers the runs that finished",
                   file=sys.stderr)
             rows.append((text, Path(cfg.run.out), {"status": "failed", "error": "interrupted"}, "interrupted"))
             break
+    # Each spec's runs (its seeds), in spec order: what the judging table judges.
+    groups = [(text, [d for (k, _, _), (_, d, _, _) in zip(jobs, rows) if k == i])
+              for i, text in enumerate(args.specs, 1)]
+    groups = [(text, dirs) for text, dirs in groups if dirs]
     html = write_report([d for _, d, _, _ in rows], root, title="plexus compare",
-                        errors={d: err for _, d, _, err in rows if err is not None})
-    _print_compare(rows)
+                        errors={d: err for _, d, _, err in rows if err is not None},
+                        configurations=groups if seeds > 1 else None)
+    judged = None
+    if seeds == 1:
+        _print_compare(rows)
+    else:
+        judged = _print_judging(groups, {d: err for _, d, _, err in rows if err is not None})
     print(f"report: {html}")
     if base.run.json:
-        print(json.dumps([{**s, "spec": spec, "run_dir": str(d)} for spec, d, s, _ in rows]))
+        runs = [{**s, "spec": spec, "run_dir": str(d)} for spec, d, s, _ in rows]
+        print(json.dumps(runs if judged is None else {"configurations": [j.to_dict() for j in judged],
+                                                      "runs": runs}))
     failed = [spec for spec, _, _, err in rows if err is not None]
     if failed:
-        print(f"plexus: {len(failed)} of {len(args.specs)} specs failed: {', '.join(failed)}", file=sys.stderr)
+        what = "specs" if seeds == 1 else "runs"
+        print(f"plexus: {len(failed)} of {len(jobs)} {what} failed: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
 
@@ -599,6 +631,36 @@ def _print_compare(rows: Sequence[tuple[str, Path, dict[str, Any], str | None]])
     console.print(table)
     for i in sorted(ranked, key=lambda k: ranked[k].place):
         print(f"  {ranked[i].place}. #{i + 1} {labels[i]}: {ranked[i].why}")
+
+
+def _print_judging(groups: Sequence[tuple[str, Sequence[Path]]], errors: dict[Path, str]) -> list[Judged]:
+    """The judging table of ``compare --seeds N`` (``plexus.report.judging``), best first,
+    then each configuration's reason; returns the judged configurations. Off a terminal
+    the table takes the width it needs, as ``_print_compare``'s does."""
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+    from plexus.report import load_run
+    from plexus.report.judging import TABLE_HEAD, judge, table_cells, target_heading
+    judged = judge([(text, [load_run(d, error=errors.get(d)) for d in dirs]) for text, dirs in groups])
+    table = Table(title="plexus compare: judging" if sys.stdout.isatty() else None)
+    if not sys.stdout.isatty():
+        print("plexus compare: judging")
+    for name, _ in TABLE_HEAD:
+        left = name == "configuration"
+        table.add_column(target_heading(judged) if name == "time to target s" else name,
+                         justify="left" if left else "right", overflow="fold" if left else "ellipsis", no_wrap=not left)
+    for j in judged:
+        table.add_row(*(Text(text) for text, _ in table_cells(j)))  # a spec's brackets are not markup
+    console = Console()
+    if not sys.stdout.isatty():
+        from rich.measure import Measurement
+        wide = Console(width=100_000)
+        console = Console(width=Measurement.get(wide, wide.options, table).maximum)
+    console.print(table)
+    for j in judged:
+        print(f"  {j.place}. {j.name}: {j.why}")
+    return judged
 
 
 def _worker(args: argparse.Namespace) -> int:

@@ -3,7 +3,9 @@
 ``write_report`` reads each run's ``config.json``, ``summary.json`` and ``metrics.jsonl``,
 writes the plots of ``plexus.report.plots`` and an ``index.html`` beside them: a ranking
 of the runs with the reason for each place (``plexus.report.analysis``), a summary table
-with one row per run, the settings that differ, then the plots. The page is
+with one row per run, the settings that differ, then the plots. Given configurations run
+over several seeds (``plexus compare --seeds N``), the page opens with their judging table
+(``plexus.report.judging``). The page is
 self-contained (inline CSS and a few lines of inline script that sort the tables; no
 network), so it can be opened from a results folder or mailed as it is. Wide tables
 scroll inside their own box, so the page itself fits a 1,400 px window.
@@ -24,6 +26,7 @@ from urllib.parse import quote
 
 from plexus.errors import ConfigError
 from plexus.report.analysis import MIB, THRESHOLDS, config_diff, knob_labels, rank, seconds_text, time_to_accuracy
+from plexus.report.judging import TABLE_HEAD, Judged, judge, table_cells, target_heading
 from plexus.report.plots import Plot, PlotRun, write_plots
 from plexus.train.metrics import FIGURES, read_events
 
@@ -293,6 +296,37 @@ def _ranking_rows(runs: Sequence[RunDir], labels: Sequence[str], numbers: Sequen
     return head, "\n".join(rows)
 
 
+def _judging_section(judged: Sequence[Judged]) -> str:
+    """The judging table: one row per configuration, best first, with its reason."""
+    if not judged:
+        return ""
+    heads = [(target_heading(judged) if name == "time to target s" else name, hover) for name, hover in TABLE_HEAD]
+    head = "".join(f'<th title="{esc(t)}">{esc(h)}</th>' for h, t in (*heads, ("why", "")))
+    rows = []
+    for j in judged:
+        cells = []
+        for (name, _), (text, sort) in zip(TABLE_HEAD, table_cells(j)):
+            if name == "configuration":
+                cells.append(_td(text, text, "label"))
+            elif name == "extra hyper-params":
+                cells.append(_td(text, _num_or_blank(sort), title=", ".join(j.hyperparameters or ())))
+            else:
+                cells.append(_td(text, _num_or_blank(sort)))
+        cells.append(_td(j.why, j.why, "why"))
+        rows.append(f"<tr>{''.join(cells)}</tr>")
+    seeds = sorted({j.runs for j in judged})
+    return (f"<h2>Judging ({'/'.join(map(str, seeds))} seeds per configuration)</h2>\n"
+            '<p class="note">Each configuration over its seeds: time to the best test error and to the target '
+            "(mean ± sd), hyper-parameters beyond SGD (from the config schema; names on hover), stability (sd "
+            "of the final accuracy, runs that stalled or diverged) and cost (process-seconds = processes x wall "
+            "seconds, CPU-seconds, bytes sent). The target is --target-accuracy, else the highest of "
+            f"{', '.join(f'{t:.0%}' for t in THRESHOLDS)} that every run reached. Ranked by the share of seeds at "
+            "the target, then time to it; times within one standard error are tied and ordered by fewer "
+            "hyper-parameters, then stability, then CPU-seconds.</p>\n"
+            f'<div class="scroll"><table class="sortable ranking judging">\n<thead><tr>{head}</tr></thead>\n'
+            f"<tbody>\n{chr(10).join(rows)}\n</tbody>\n</table></div>")
+
+
 def esc(text: Any) -> str:
     return html.escape(str(text))
 
@@ -327,6 +361,8 @@ td.dir { text-align: left; font-family: monospace; }
 td.na { color: #aaa; }
 td.unhealthy { background: #fdd; color: #900; font-weight: bold; }
 table.ranking tr:first-child td { background: #efe; }
+table.judging th { white-space: normal; vertical-align: bottom; }
+table.judging td.label { min-width: 6em; }
 p.note { font-size: 0.85em; color: #555; }
 figure { display: inline-block; margin: 1em 1em 0 0; vertical-align: top; }
 figcaption { font-size: 0.9em; color: #555; max-width: 770px; }
@@ -362,7 +398,7 @@ document.querySelectorAll('table.sortable').forEach(function (table) {
 
 
 def _page(title: str, runs: Sequence[RunDir], labels: Sequence[str], plots: Sequence[Plot],
-          out_dir: Path) -> str:
+          out_dir: Path, judged: Sequence[Judged] = ()) -> str:
     numbers = list(range(1, len(runs) + 1))
     rank_head, rank_rows = _ranking_rows(runs, labels, numbers)
     sum_head = "".join(f'<th title="{esc(t)}">{esc(h)}</th>' for h, t in _SUMMARY_HEAD)
@@ -386,6 +422,7 @@ def _page(title: str, runs: Sequence[RunDir], labels: Sequence[str], plots: Sequ
 </head>
 <body>
 <h1>{esc(title)}</h1>
+{_judging_section(judged)}
 <h2>Ranking</h2>
 <p class="note">Ranked by time to the target (the runs' --target-accuracy, else the highest of
 {", ".join(f"{t:.0%}" for t in THRESHOLDS)} that any run reached), then final accuracy, time to best and
@@ -414,13 +451,15 @@ MiB sent; failed runs last. Times are on the training clock. Click a header to s
 
 
 def write_report(run_dirs: Sequence[str | Path], out_dir: str | Path | None = None,
-                 title: str = "plexus report", errors: Mapping[str | Path, str] | None = None) -> Path:
+                 title: str = "plexus report", errors: Mapping[str | Path, str] | None = None,
+                 configurations: Sequence[tuple[str, Sequence[str | Path]]] | None = None) -> Path:
     """Write the plots and ``index.html`` of one or more runs; return the HTML's path.
 
     ``out_dir`` defaults to the run directory when there is one run; with several it is
     required, since no run's folder is a better home for the comparison than another's.
     ``errors`` maps the directories of runs that failed to their error: those become
-    failed rows, with whatever their directories hold.
+    failed rows, with whatever their directories hold. ``configurations`` groups the runs,
+    as (name, the directories of its seeds): the page then opens with the judging table.
     """
     if isinstance(run_dirs, (str, Path)):  # one path given bare: not a sequence of paths
         run_dirs = [run_dirs]
@@ -434,6 +473,14 @@ def write_report(run_dirs: Sequence[str | Path], out_dir: str | Path | None = No
     failed = {str(Path(k)): v for k, v in (errors or {}).items()}
     runs = [load_run(d, error=failed.get(str(Path(d)))) for d in run_dirs]
     labels = run_labels(runs)
+    judged: list[Judged] = []
+    if configurations:
+        by_dir = {str(Path(d)): run for d, run in zip(run_dirs, runs)}
+        unknown = [str(d) for _, dirs in configurations for d in dirs if str(Path(d)) not in by_dir]
+        if unknown:
+            raise ConfigError(f"configuration run {unknown[0]!r} is not one of the report's run directories: "
+                              f"pass every configuration's runs in run_dirs too")
+        judged = judge([(name, [by_dir[str(Path(d))] for d in dirs]) for name, dirs in configurations])
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -444,7 +491,7 @@ def write_report(run_dirs: Sequence[str | Path], out_dir: str | Path | None = No
                  for n, (run, label) in enumerate(zip(runs, labels), 1)]
     plots = write_plots(plot_runs, out)
     index = out / "index.html"
-    index.write_text(_page(title, runs, labels, plots, out), encoding="utf-8")
+    index.write_text(_page(title, runs, labels, plots, out, judged), encoding="utf-8")
     return index
 
 

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 
@@ -35,6 +36,7 @@ def main() -> int:
             worker_main(cfg, info, store, run_dir, data)
         else:
             role_main(cfg, info, store, run_dir)
+        report_cpu(store, info.role, info.rank)
     except PlexusError as exc:
         if debug:
             logging.exception("%s failed", info.name)
@@ -42,6 +44,21 @@ def main() -> int:
             print(f"{exc}" if str(exc).startswith(info.name) else f"{info.name}: {exc}", file=sys.stderr)
         return exc.exit_code
     return 0
+
+
+def report_cpu(store, role: str, rank: int) -> None:
+    """Leave this process's CPU time (user + system, every thread, in seconds) in the store
+    as ``cpu/<role>/<rank>``, once its role has returned; the launcher reads it after every
+    process has ended (``summary.collect_records``). A forked child's counters start at
+    zero (POSIX ``fork``), so the imports the fork server made once are not counted.
+    Best effort: a store already gone costs the figure (null in the summary), never the
+    process's status."""
+    from plexus.cluster.rendezvous import store_set_json
+    from plexus.train.summary import cpu_key
+    try:
+        store_set_json(store, cpu_key(role, rank), {"cpu_seconds": time.process_time()})
+    except RuntimeError as exc:  # c10d's DistStoreError
+        logging.getLogger(__name__).debug("%s %d: CPU time not reported: %s", role, rank, exc)
 
 
 def warm() -> None:

@@ -4,6 +4,10 @@ Each process writes ``stats/<role>/<rank>`` (JSON) when it finishes; the process
 evaluates the global model writes ``stats/eval``. The summary is assembled by whoever
 outlives the others: the local launcher (which hosts the store, so the summary survives
 the loss of any worker), or worker 0 under torchrun.
+
+A process started by the local launcher also leaves its CPU time, ``cpu/<role>/<rank>``,
+once its role has returned (``process.report_cpu``); it joins that process's record as
+``cpu_seconds``. Under torchrun and Ray no process leaves one, and ``cpu_seconds`` is null.
 """
 from __future__ import annotations
 
@@ -20,12 +24,16 @@ from plexus.strategies import strategy_class
 from plexus.train.health import CHANCE_MARGIN, hint, worst
 from plexus.train.metrics import FIGURES
 
-__all__ = ["collect_records", "assemble_summary", "write_summary", "FIGURES"]
-
+__all__ = ["collect_records", "assemble_summary", "write_summary", "cpu_key", "FIGURES"]
 
 
 # Entries of collect_records' result that are not the records of a role besides the workers.
 _NOT_OTHER_ROLES = ("worker", "eval", "target", "lost")
+
+
+def cpu_key(role: str, rank: int) -> str:
+    """The store key of a process's CPU seconds (``process.report_cpu``)."""
+    return f"cpu/{role}/{rank}"
 
 
 def _present(store, key: str) -> bool:
@@ -67,6 +75,9 @@ def collect_records(cfg: JobConfig, store, lost: dict[str, list[int]] | None = N
         # non-finite says so); a killed one has none.
         keys = {r: f"stats/{role}/{r}" for r in range(count)}
         records[role] = {r: store_get_json(store, k) for r, k in keys.items() if _present(store, k)}
+        for r, record in records[role].items():
+            if _present(store, cpu_key(role, r)):
+                record["cpu_seconds"] = store_get_json(store, cpu_key(role, r))["cpu_seconds"]
     records["eval"] = store_get_json(store, "stats/eval") if _present(store, "stats/eval") else {}
     records["target"] = store_get_json(store, "stats/target") if _present(store, "stats/target") else {}
     records["lost"] = {role: ranks for role, ranks in lost.items() if ranks}
@@ -140,6 +151,11 @@ def _figures(cfg: JobConfig, records: dict[str, Any], summary: dict[str, Any], s
             by_role[role] = sum(rec["bytes_sent"] for rec in recs.values())
     # Joined workers (ps) count as workers too.
     by_role["worker"] += sum(w["bytes_sent"] for r, w in workers.items() if r >= cfg.cluster.workers)
+    # Processes of the job (workers, joined ones too, and the strategy's other roles) and
+    # the CPU seconds of those that reported theirs (process.report_cpu).
+    roles = {"worker": count, **dict(strategy_class(cfg.strategy.strategy).extra_roles(cfg))}
+    cpu = {role: sum(rec["cpu_seconds"] for rec in records.get(role, {}).values() if "cpu_seconds" in rec)
+           for role in roles if any("cpu_seconds" in rec for rec in records.get(role, {}).values())}
     steps, samples, target = summary["steps"], summary["samples"], cfg.run.target_accuracy
     final, reached = summary.get("final_test_accuracy"), summary.get("time_to_target_seconds") is not None
     return {
@@ -156,6 +172,10 @@ def _figures(cfg: JobConfig, records: dict[str, Any], summary: dict[str, Any], s
                                        for r in range(count)],
         "step_seconds_per_worker": [workers[r].get("step_seconds") if r in workers else None
                                     for r in range(count)],
+        "processes": sum(roles.values()),
+        # User + system CPU seconds, every thread, summed over the processes that reported.
+        "cpu_seconds": sum(cpu.values()) if cpu else None,
+        "cpu_seconds_by_role": cpu,
     }
 
 
