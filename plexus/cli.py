@@ -152,7 +152,7 @@ SIMULATE_KEYS = ("sim_workers", "sim_servers", "compute", "compute_jitter", "fai
                  "validate")
 
 
-def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
+def add_simulate_arguments(parser: argparse.ArgumentParser, validate: bool = True) -> None:
     """The simulated cluster (``plexus/sim/cluster.py``); --net and --slow are the job's."""
     g = parser.add_argument_group("simulated cluster")
     _flag(g, "sim-workers", type=int, metavar="P", help="workers to simulate (default: --workers)")
@@ -164,8 +164,9 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(g, "fail", metavar="ROLE:K@t=SECONDS", help="kill a process at a simulated time, e.g. worker:3@t=2.5")
     _flag(g, "fail-rate", type=float, metavar="R", help="failures per machine-hour of every worker (default 0)")
     _flag(g, "timing-only", action="store_const", const=True, help="skip the maths: time and traffic only")
-    _flag(g, "validate", action="store_const", const=True,
-          help="train six configurations at 2, 4 and 8 workers for real and simulated; print the errors")
+    if validate:
+        _flag(g, "validate", action="store_const", const=True,
+              help="train six configurations at 2, 4 and 8 workers for real and simulated; print the errors")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -184,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--seeds", dest="seeds", type=int, metavar="N",
                          help="run every spec with seeds --seed, --seed+1, ..., --seed+N-1 and judge each over "
                               "them: time to best and to target, extra hyper-parameters, stability, cost (default 1)")
+    compare.add_argument("--simulate", dest="simulate", action="store_true",
+                         help="run every spec on the simulated cluster (plexus simulate) instead of processes")
+    add_simulate_arguments(compare, validate=False)
     simulate = sub.add_parser("simulate", help="the same job on a simulated cluster: real maths, virtual time",
                               argument_default=argparse.SUPPRESS)
     add_job_arguments(simulate)
@@ -254,7 +258,7 @@ def job_config(args: argparse.Namespace, extra: dict[str, Any] | None = None):
     source (file, flag, spec) and the keys left unset take their strategy's defaults."""
     from plexus.config import JobConfig
     flat = vars(args).copy()
-    for key in ("command", "specs", "seeds", "config", "print_config", "print_plan", *LAUNCHER_KEYS,
+    for key in ("command", "specs", "seeds", "simulate", "config", "print_config", "print_plan", *LAUNCHER_KEYS,
                 *SIMULATE_KEYS):
         flat.pop(key, None)
     merged = _load_toml(args.config) if getattr(args, "config", None) else {}
@@ -504,6 +508,12 @@ def _compare(args: argparse.Namespace) -> int:
     seeds = getattr(args, "seeds", 1)
     if seeds < 1:
         raise ConfigError(f"--seeds must be at least 1, got {seeds}: pass --seeds 3 to run every spec with 3 seeds")
+    simulated = getattr(args, "simulate", False)
+    sim_flags = [f"--{k.replace('_', '-')}" for k in SIMULATE_KEYS if k in vars(args)]
+    if sim_flags and not simulated:
+        raise ConfigError(f"{', '.join(sim_flags)} describe a simulated cluster: add --simulate, or drop them")
+    if simulated:
+        _sim_workers(vars(args))
     base = job_config(args)
     root = Path(base.run.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}")
     if base.run.out:  # the runs go into sub-directories of --out: refuse an earlier compare's
@@ -519,7 +529,11 @@ def _compare(args: argparse.Namespace) -> int:
                 first = cfgs[0].run.seed  # --seed, or the spec's own
                 cfgs = [job_config(args, {**spec, "seed": seed, "out": str(folder / f"seed-{seed}")})
                         for seed in range(first, first + seeds)]
-            validate(cfgs[0])  # the other seeds differ in the seed only, which cfgs checked
+            if simulated:
+                from plexus.sim.run import check
+                check(cfgs[0], _sim_spec(cfgs[0], vars(args)))
+            else:
+                validate(cfgs[0])  # the other seeds differ in the seed only, which cfgs checked
         except ConfigError as exc:
             raise ConfigError(f"compare spec {i} {text!r}: {exc} (nothing was trained)") from None
         jobs.extend((i, text, cfg) for cfg in cfgs)
@@ -529,7 +543,7 @@ def _compare(args: argparse.Namespace) -> int:
         what = text if seeds == 1 else f"{text} (seed {cfg.run.seed})"
         print(f"== [{n}/{len(jobs)}] {what}", file=sys.stderr)
         try:
-            run_dir, summary = run_local(cfg)
+            run_dir, summary = _simulate_one(cfg, vars(args)) if simulated else run_local(cfg)
             rows.append((text, run_dir, summary, None))
         except PlexusError as exc:
             print(f"plexus: spec {what!r} failed: {exc}; going on with the others", file=sys.stderr)
@@ -730,12 +744,47 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _simulate_one(cfg, given: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
+    """One compare spec on the simulated cluster: its run directory and summary; a
+    simulated job that failed (a process killed by --fail) fails the spec."""
+    from plexus.errors import JobFailed
+    from plexus.sim.run import simulate
+    from plexus.train.job import _write_report, prepare_run_dir
+    run_dir = prepare_run_dir(cfg)
+    summary = simulate(cfg, _sim_spec(cfg, given), run_dir)
+    _write_report(cfg, run_dir)
+    if summary["status"] != "completed":
+        raise JobFailed(f"the simulated job failed: {summary['error']}")
+    return run_dir, summary
+
+
+def _sim_workers(given: dict[str, Any]) -> None:
+    """``--sim-workers`` and ``--sim-servers`` become the job's workers and servers (batch
+    shares, softsync's N and the role plan follow them)."""
+    from plexus.errors import ConfigError
+    if given.get("sim_workers", 1) < 1:
+        raise ConfigError(f"--sim-workers must be at least 1, got {given['sim_workers']}: pass --sim-workers 1000 "
+                          f"for example")
+    if given.get("sim_servers", 0) < 0:
+        raise ConfigError(f"--sim-servers must be non-negative, got {given['sim_servers']}")
+    for flag, key in (("sim_workers", "workers"), ("sim_servers", "servers")):
+        if flag in given:
+            given[key] = given[flag]
+
+
+def _sim_spec(cfg, given: dict[str, Any]):
+    """The simulated cluster of job ``cfg`` from ``plexus simulate``'s own flags."""
+    from plexus.sim.cluster import ComputeModel, SimSpec, network_of, parse_fail
+    return SimSpec(workers=cfg.cluster.workers, servers=cfg.cluster.servers,
+                   compute=ComputeModel(per_sample=given.get("compute"), jitter=given.get("compute_jitter") or "none"),
+                   network=network_of(cfg.cluster.net), failures=parse_fail(given.get("fail") or ""),
+                   fail_rate=given.get("fail_rate") or 0.0, timing_only=bool(given.get("timing_only")))
+
+
 def _simulate(args: argparse.Namespace) -> int:
     """``plexus simulate``: the job's flags plus the cluster's; a run directory marked simulated."""
-    from plexus.sim.cluster import ComputeModel, SimSpec, network_of, parse_fail
     from plexus.sim.run import check, simulate
-    from plexus.train.job import prepare_run_dir
-    from plexus.errors import ConfigError
+    from plexus.train.job import _write_report, prepare_run_dir
     given = vars(args)
     if given.get("validate"):
         from plexus.sim.validate import table, validate
@@ -746,26 +795,12 @@ def _simulate(args: argparse.Namespace) -> int:
                                      echo=lambda line: print(line, file=sys.stderr))
         print(table(rows, calibration))
         return 0
-    if given.get("sim_workers", 1) < 1:
-        raise ConfigError(f"--sim-workers must be at least 1, got {given['sim_workers']}: pass --sim-workers 1000 "
-                          f"for example")
-    if given.get("sim_servers", 0) < 0:
-        raise ConfigError(f"--sim-servers must be non-negative, got {given['sim_servers']}")
-    workers = given.get("sim_workers", given.get("workers"))
-    if workers is not None:
-        args.workers = workers  # the job's config sees the simulated worker count (batch shares, softsync N)
-    servers = given.get("sim_servers", given.get("servers"))
-    if servers is not None:
-        args.servers = servers
+    _sim_workers(given)
     cfg = job_config(args)
-    spec = SimSpec(workers=cfg.cluster.workers, servers=cfg.cluster.servers,
-                   compute=ComputeModel(per_sample=given.get("compute"), jitter=given.get("compute_jitter") or "none"),
-                   network=network_of(cfg.cluster.net), failures=parse_fail(given.get("fail") or ""),
-                   fail_rate=given.get("fail_rate") or 0.0, timing_only=bool(given.get("timing_only")))
+    spec = _sim_spec(cfg, given)
     check(cfg, spec)
     run_dir = prepare_run_dir(cfg)
     summary = simulate(cfg, spec, run_dir)
-    from plexus.train.job import _write_report
     _write_report(cfg, run_dir)
     acc = summary["final_test_accuracy"]
     said = f"final test accuracy {acc:.2%}  " if acc is not None else ""

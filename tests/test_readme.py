@@ -44,6 +44,8 @@ SKIP = {
     "plexus worker --join": "needs the job above running in another terminal; tests/test_ps_join.py",
     "--lbfgs vector-free --line-search strong_wolfe": "tests/test_sandblaster.py runs vector-free and strong Wolfe "
                                                       "against torch.optim.LBFGS",
+    "--simulate --sim-workers 64": "15 simulated jobs of 64 workers (about a minute); tests/test_simulate.py runs "
+                                   "compare --simulate --seeds 2 on two specs",
     "plexus reproduce": "a paper reproduction (15-60 s); tests/test_simulate.py runs one recipe with --quick",
     "--strategy sandblaster --workers 3 --slow": "tests/test_sandblaster.py runs a slow replica and counts its units",
 }

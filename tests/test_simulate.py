@@ -236,3 +236,21 @@ def test_bench_simulate_prints_its_table(capsys):
     assert out[2].startswith("| allreduce ring, real maths | 1,000 | 10 |")
     assert out[3].startswith("| allreduce ring, timing only | 10,000 | 10 |")
     assert "not judged: --steps < 1000" in out[-1]
+
+
+@pytest.mark.slow
+def test_compare_simulate_judges_specs_over_seeds_on_the_simulated_cluster(tmp_path, capsys):
+    code = main(["compare", "allreduce", "gossip", "--simulate", "--sim-workers", "16", "--batch-size", "64",
+                 "--steps", "40", "--seeds", "2", "--eval-every", "10", "--out", str(tmp_path), "--json"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    judged = json.loads(out.strip().splitlines()[-1])
+    assert len(judged["configurations"]) == 2 and len(judged["runs"]) == 4
+    assert all(run["simulated"] and run["workers"] == 16 for run in judged["runs"])
+    assert (tmp_path / "index.html").exists()
+
+
+def test_compare_refuses_cluster_flags_without_simulate(tmp_path, capsys):
+    code = main(["compare", "allreduce", "--sim-workers", "64", "--out", str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "--sim-workers describe a simulated cluster: add --simulate" in err[0]
