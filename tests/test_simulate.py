@@ -74,13 +74,14 @@ def test_a_simulated_synchronous_run_equals_the_real_one_bit_for_bit(tmp_path, f
     assert summary["simulated"] and summary["status"] == "completed" and summary["steps"] == 30
 
 
-def test_an_asynchronous_tree_learns_with_staleness_like_the_real_one(tmp_path):
-    """tree-ps adv at 8 workers under its defaults (asp through 6 aggregators): the real run
-    reached 0.933 with mean staleness 6.0 at 150 steps (measured); the simulation must learn
-    and show a staleness of the same order."""
-    summary = _sim(tmp_path, "tree", _cfg(strategy="tree-ps", workers=8, steps=150))
+@pytest.mark.parametrize("variant, real_staleness", [("adv", 6.0), ("adv-star", 6.9)])
+def test_an_asynchronous_tree_learns_with_staleness_like_the_real_one(tmp_path, variant, real_staleness):
+    """tree-ps at 8 workers under its defaults (asp through 6 aggregators): the real runs
+    reached 0.933 (adv) and 0.953 (adv-star, 2 servers) with mean staleness 6.0 and 6.9 at
+    150 steps (measured); the simulation must learn and show a staleness within 50 %."""
+    summary = _sim(tmp_path, "tree", _cfg(strategy="tree-ps", variant=variant, workers=8, servers=2, steps=150))
     assert summary["status"] == "completed" and summary["final_test_accuracy"] > 0.85
-    assert 3 <= summary["staleness_mean"] <= 10 and summary["sim"]["aggregators"] == 6
+    assert abs(summary["staleness_mean"] / real_staleness - 1) <= 0.5 and summary["sim"]["aggregators"] == 6
 
 
 def test_backup_workers_make_each_step_of_the_first_pushes_and_drop_the_late(tmp_path):
@@ -184,7 +185,7 @@ def test_the_cli_writes_a_run_directory_marked_simulated_and_stops_at_a_target(t
     (["--compute-jitter", "pareto:0.5"], "--compute-jitter must be"),
     (["--timing-only", "--target-accuracy", "0.9"], "--timing-only skips the maths"),
     (["--strategy", "sandblaster", "--timing-only", "--target-accuracy", "0.9"], "--timing-only skips the maths"),
-    (["--strategy", "tree-ps", "--variant", "adv-star"], "not adv-star yet"),
+    (["--strategy", "tree-ps", "--workers", "4", "--fail", "worker:1@t=1"], "does not kill processes in a tree-ps tree"),
     (["--fail", "worker:9@t=1"], "--fail worker:9"),
     (["--sim-workers", "3"], "batch_size must be divisible by workers (3)"),
 ])

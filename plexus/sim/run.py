@@ -51,10 +51,7 @@ def check(cfg: JobConfig, spec: SimSpec) -> None:
                           f"(each worker takes an equal share): pass --batch-size {spec.workers * 32} for example")
     if cfg.run.time_limit is not None:
         raise ConfigError("--time-limit is wall-clock time; a simulation's time is virtual: pass --steps")
-    if strategy == "tree-ps" and cfg.strategy.variant == "adv-star":
-        raise ConfigError("plexus simulate models tree-ps --variant adv and base, not adv-star yet: pass "
-                          "--variant adv")
-    if strategy == "tree-ps" and cfg.strategy.variant == "adv" and (spec.failures or spec.fail_rate):
+    if strategy == "tree-ps" and cfg.strategy.variant != "base" and (spec.failures or spec.fail_rate):
         raise ConfigError("plexus simulate does not kill processes in a tree-ps tree yet: drop --fail and "
                           "--fail-rate, or simulate --variant base")
 

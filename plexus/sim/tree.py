@@ -1,9 +1,9 @@
 """Simulated ``tree-ps`` (Rudra, Gupta et al. 2016): gradients climb an aggregator tree to
-the root's n-softsync gate and the weights come back down it (``adv``); ``base`` is the
-flat parameter server under the same gate (``ParameterServerSim`` on the job as the
-servers see it). ``adv-star`` (weights read straight from the root) is not simulated yet:
-a model of its pushing and reading threads gave twice the real staleness (14.8 against
-8.4 at 8 workers, measured), so it is refused rather than misleading.
+the root's n-softsync gate and the weights come back down it (``adv``), or each learner
+reads them straight from the root with one long-poll read outstanding while its pushes
+climb the tree one at a time (``adv-star``: the next gradient is computed once the
+previous one is acknowledged, on the newest weights read); ``base`` is the flat parameter server under
+the same gate (``ParameterServerSim`` on the job as the servers see it).
 
 It drives the real rules: the tree's shape (``ps/tree.py``), the aggregators' batching
 rule (forward once the batch holds n gradients or every live child has pushed, children
@@ -11,8 +11,8 @@ summed in tree order: ``ps/aggregator.py``), the root's ``SoftSync`` gate over i
 children with tree pushes weighted by their gradients, the server optimizer and staleness
 per worker gradient. So a synchronous tree (n = P) equals the real one bit for bit.
 
-Time: every node has one link; a message to a node queues on that node's link (a FIFO),
-and a node answers its children one message at a time on it too. An aggregator adds each
+Time: every node has one full-duplex link; a message to a node queues on that node's way
+in (a FIFO), and a node's answers queue on its way out. An aggregator adds each
 child's gradient in (bytes) x server_gamma seconds, as the root applies an update.
 """
 from __future__ import annotations
@@ -58,7 +58,7 @@ class _Entry:
 
 
 class TreePsSim(Simulation):
-    """Rudra-adv: aggregators, and the weights as the answers down the tree."""
+    """Rudra-adv and adv-star with aggregators."""
 
     def run(self, steps: int) -> Outcome:
         cfg, p = self.cfg, self.workers
@@ -66,6 +66,7 @@ class TreePsSim(Simulation):
         self.tree = Tree(p, s.fanout)
         self.n = _group_size(cfg)
         self.synchronous = self.n >= p
+        self.star = s.variant == "adv-star"
         self.root_children = list(self.tree.children(ROOT))
         self.gate = SoftSync(self.n)
         for i in range(len(self.root_children)):
@@ -81,7 +82,10 @@ class TreePsSim(Simulation):
         # occupies each shard's link for its slice only.
         servers = max(1, cfg.cluster.servers)
         self.root_msg = -(-self.numel // servers) * 4 + HEADER_BYTES
-        self.link: dict[Node, float] = {}      # when each node's link is free
+        # When each node's link is free, per direction (full duplex): pushes queue on the
+        # receiver's way in, answers on the sender's way out.
+        self.link_in: dict[Node, float] = {}
+        self.link_out: dict[Node, float] = {}
         self.pending: dict[Node, list[_Entry]] = {}
         self.uplink_busy: dict[Node, bool] = {}
         self.root_clock = [0] * len(self.root_children)  # pushes each root child has sent
@@ -94,6 +98,7 @@ class TreePsSim(Simulation):
         self.sent = np.zeros(p, dtype=np.int64)
         self.compute = np.zeros(p)
         self.busy = [False] * p
+        self.reading = [True] * p              # adv-star: its long-poll read waits at the root
         self.budget = None if self.synchronous else steps * p
         self.claimed = 0
         self.steps = steps
@@ -163,10 +168,34 @@ class TreePsSim(Simulation):
                      bytes_sent=int(self.sent[0]), bytes_recv=None, staleness=None)
         self._send(node, self.tree.parent(node), entry)
 
+    def _acked(self, r: int, weights, version: int) -> None:
+        """adv-star: the root took worker ``r``'s push. One gradient is in flight at a time,
+        and the next is computed only now, on the newest weights the reader brought (the
+        real learner waits here: computing meanwhile added a trip up the tree to every
+        gradient's staleness, ``strategies/tree_ps.py``)."""
+        self.end = self.queue.now
+        self.busy[r] = False
+        self._start(r)
+
+    def _ask(self, r: int) -> None:
+        """adv-star: worker ``r``'s reader asks again; the root answers once it has newer weights."""
+        self.reading[r] = True
+        if self.version > self.versions[r]:
+            self._read(r)
+
+    def _read(self, r: int) -> None:
+        self.reading[r] = False
+        self._reply(ROOT, Node("worker", r), self.params, self.version, None)
+
     def _weights_reach(self, r: int, weights, version: int) -> None:
-        """The answer to worker ``r``'s push: the weights of its next step."""
+        """adv: the answer to worker ``r``'s push, the weights of its next step; adv-star: a
+        version its reader fetched, swapped in at its next step."""
         self.end = self.queue.now
         self.held[r], self.versions[r] = weights, version
+        if self.star:
+            self.queue.after(self.net.alpha, self._ask, r)
+            self._eval_if_due(r)
+            return
         self.busy[r] = False
         self._eval_if_due(r)
         self._start(r)
@@ -176,8 +205,8 @@ class TreePsSim(Simulation):
     def _send(self, src: Node, dst: Node, entry: _Entry) -> None:
         """A push from ``src`` queues on ``dst``'s link."""
         reach = self.queue.now + self.net.alpha + self.msg * self.net.beta
-        arrive = max(reach, self.link.get(dst, 0.0) + self._bytes(dst) * self.net.beta)
-        self.link[dst] = arrive
+        arrive = max(reach, self.link_in.get(dst, 0.0) + self._bytes(dst) * self.net.beta)
+        self.link_in[dst] = arrive
         self.queue.at(arrive, self._arrive, src, dst, entry)
 
     def _bytes(self, node: Node) -> int:
@@ -186,10 +215,11 @@ class TreePsSim(Simulation):
 
     def _reply(self, src: Node, dst: Node, weights, version: int, entry: _Entry) -> None:
         """Weights from ``src`` to child ``dst`` (the answer to ``entry``), on ``src``'s link."""
-        depart = max(self.queue.now, self.link.get(src, 0.0)) + self._bytes(src) * self.net.beta
-        self.link[src] = depart
+        depart = max(self.queue.now, self.link_out.get(src, 0.0)) + self._bytes(src) * self.net.beta
+        self.link_out[src] = depart
         if dst.role == "worker":
-            self.queue.at(depart + self.net.alpha, self._weights_reach, dst.rank, weights, version)
+            answer = self._acked if self.star and entry is not None else self._weights_reach
+            self.queue.at(depart + self.net.alpha, answer, dst.rank, weights, version)
         else:
             self.queue.at(depart + self.net.alpha, self._answered, dst, weights, version, entry)
 
@@ -279,6 +309,10 @@ class TreePsSim(Simulation):
             self.params = server_update(self.params, self.optimizer, [push.payload.grad for push in group],
                                         self.gate.divisor(group), stale, self.cfg.strategy.staleness_lr)
         self.version += 1
+        if self.star:  # the learners' outstanding long-poll reads return the new weights
+            for r in range(self.workers):
+                if self.reading[r]:
+                    self._read(r)
 
     def _serve(self) -> None:
         """Answer the root children whose reads the gate allows."""
