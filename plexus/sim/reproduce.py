@@ -8,10 +8,13 @@ against simulated seconds) and ``verdict.txt``, and prints the verdict: ``holds`
 (some of the paper's claims hold) or ``does not hold``, with the numbers. A verdict is
 computed from the measured numbers by the recipe's stated criterion, never written by hand.
 
-Every recipe uses the digits MLP (a CPU-sized stand-in for the papers' models), the job's
-own defaults except the flags the paper's experiment fixes, and the measured compute time
-of this machine. ``--quick`` runs each configuration for a quarter of the steps (for tests:
-the verdict is then marked ``quick``, not a reproduction).
+Every recipe uses the digits MLP (a CPU-sized stand-in for the papers' models; mnist1d
+where the paper's effect needs a harder task), the job's own defaults except the flags the
+paper's experiment fixes, and one fixed compute time, ``COMPUTE`` (0.2 ms per step plus
+5 us per sample, about what this machine measures for these models), so that a recipe
+gives the same numbers and verdict on every machine. ``--quick`` runs each configuration
+for a quarter of the steps (for tests: the verdict is then marked ``quick``, not a
+reproduction).
 """
 from __future__ import annotations
 
@@ -23,7 +26,15 @@ from typing import Any, Callable
 
 from plexus.errors import ConfigError
 
-__all__ = ["RECIPES", "Recipe", "run_recipe"]
+__all__ = ["RECIPES", "Recipe", "run_recipe", "COMPUTE"]
+
+
+def _compute():
+    from plexus.sim.cluster import ComputeModel
+    return ComputeModel(per_sample=5e-6, overhead=2e-4)
+
+
+COMPUTE = _compute()
 
 
 @dataclass(frozen=True)
@@ -248,7 +259,7 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in [
 def run_recipe(name: str, out: Path, quick: bool = False, seed: int = 0) -> tuple[str, str]:
     """Run recipe ``name`` into ``out / name``; returns (verdict, why)."""
     from plexus.config import JobConfig
-    from plexus.sim.cluster import ComputeModel, SimSpec, network_of
+    from plexus.sim.cluster import SimSpec, network_of
     from plexus.sim.run import simulate
     from plexus.train.metrics import read_events
     if name not in RECIPES:
@@ -259,7 +270,6 @@ def run_recipe(name: str, out: Path, quick: bool = False, seed: int = 0) -> tupl
     steps = max(20, recipe.steps // 4) if quick else recipe.steps
     summaries: dict[str, dict] = {}
     curves: dict[str, list[dict]] = {}
-    compute = None  # measured once per recipe, on the first configuration's model
     for config in recipe.configs():
         flat = {**config.flags, "steps": steps, "seed": seed, "quiet": True}
         cfg = JobConfig.from_flat(flat, {k: "flag" for k in flat})
@@ -268,16 +278,12 @@ def run_recipe(name: str, out: Path, quick: bool = False, seed: int = 0) -> tupl
         for stale in ("metrics.jsonl", "summary.json"):
             (run_dir / stale).unlink(missing_ok=True)
         (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-        spec = SimSpec(workers=cfg.cluster.workers, servers=cfg.cluster.servers,
-                       compute=compute or ComputeModel(per_sample=None, jitter="none"),
+        spec = SimSpec(workers=cfg.cluster.workers, servers=cfg.cluster.servers, compute=COMPUTE,
                        network=network_of(cfg.cluster.net))
         if "compute_jitter" in config.sim:
             from dataclasses import replace
             spec = replace(spec, compute=replace(spec.compute, jitter=config.sim["compute_jitter"]))
         summary = simulate(cfg, spec, run_dir)
-        if compute is None and summary["sim"]["compute"]["measured"]:
-            c = summary["sim"]["compute"]
-            compute = ComputeModel(per_sample=c["per_sample"], overhead=c["overhead"], jitter="none", measured=True)
         summaries[config.label] = summary
         curves[config.label] = read_events(run_dir, "eval")
     verdict, why = recipe.judge(summaries, curves)
@@ -298,7 +304,7 @@ def _write(root: Path, recipe: Recipe, summaries: dict[str, dict], curves: dict[
                     f"{'-' if ttt is None else f'{ttt:.3f}'} | {s['staleness_mean']:.2f} | {idle:.2f} |")
     text = (f"# {recipe.name}\n\n{recipe.paper}: {recipe.claim}.\n\n"
             f"`plexus reproduce {recipe.name}`, {steps} steps per configuration, simulated workers "
-            f"with the compute time measured on this machine.\n\n" + "\n".join(rows)
+            f"with a fixed compute time of 0.2 ms per step plus 5 us per sample.\n\n" + "\n".join(rows)
             + f"\n\n**Verdict: {verdict}.** {why}\n")
     (root / "table.md").write_text(text)
     (root / "verdict.txt").write_text(f"{recipe.name}: {verdict}: {why}\n")
