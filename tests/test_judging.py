@@ -101,7 +101,8 @@ def test_four_criteria_of_one_configuration():
     # speed: time to each run's best (2.0, 4.0, 2.0) and to the runs' --target-accuracy 90% (2.0, 4.0; one never)
     assert j.target == 0.9 and j.reached == 2
     assert (j.time_to_target.mean, j.time_to_target.n) == (3.0, 2)
-    assert j.time_to_best.mean == pytest.approx(8 / 3) and j.best_accuracy.mean == pytest.approx((0.95 + 0.91 + 0.6) / 3)
+    assert j.time_to_best.mean == pytest.approx(8 / 3)
+    assert j.best_accuracy.mean == pytest.approx((0.95 + 0.91 + 0.6) / 3)
     # hyper-parameters, stability, cost
     assert len(j.hyperparameters) == len(extra_hyperparameters("ps")) == int(table_cells(j)[6][0])
     assert j.unstable == 2 and j.final_accuracy.sd == pytest.approx(statistics.stdev([0.94, 0.91, 0.6]))

@@ -168,7 +168,8 @@ def test_every_results_page_names_its_command_and_date_and_is_linked():
     problems = []
     for page in pages:
         text, name = page.read_text(), page.relative_to(ROOT)
-        if not re.search(r"(`|^)(plexus (bench|train|compare|simulate|reproduce) |python benchmarks/\w+\.py)", text, flags=re.M):
+        command = r"(`|^)(plexus (bench|train|compare|simulate|reproduce) |python benchmarks/\w+\.py)"
+        if not re.search(command, text, flags=re.M):
             problems.append(f"{name}: names no command (plexus bench/train/compare/simulate/reproduce or "
                             f"python benchmarks/*.py)")
         if not re.search(r"\b20\d\d-\d\d-\d\d\b", text):

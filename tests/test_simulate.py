@@ -106,7 +106,8 @@ def test_sandblaster_runs_the_real_lbfgs_over_simulated_work_units(tmp_path):
     summary = _sim(tmp_path, "sb", cfg)
     assert summary["status"] == "completed" and summary["steps"] == 30
     assert summary["final_test_accuracy"] == pytest.approx(0.9359, abs=0.01)
-    assert summary["sim"]["units_per_evaluation"] == 25 and summary["sim"]["round_trips"] > summary["sim"]["evaluations"]
+    sim = summary["sim"]
+    assert sim["units_per_evaluation"] == 25 and sim["round_trips"] > sim["evaluations"]
 
 
 def test_the_same_seed_gives_the_same_update_order_and_another_seed_another(tmp_path):
@@ -185,7 +186,7 @@ def test_the_cli_writes_a_run_directory_marked_simulated_and_stops_at_a_target(t
     (["--compute-jitter", "pareto:0.5"], "--compute-jitter must be"),
     (["--timing-only", "--target-accuracy", "0.9"], "--timing-only skips the maths"),
     (["--strategy", "sandblaster", "--timing-only", "--target-accuracy", "0.9"], "--timing-only skips the maths"),
-    (["--strategy", "tree-ps", "--workers", "4", "--fail", "worker:1@t=1"], "does not kill processes in a tree-ps tree"),
+    (["--strategy", "tree-ps", "--workers", "4", "--fail", "worker:1@t=1"], "does not kill processes in a tree"),
     (["--fail", "worker:9@t=1"], "--fail worker:9"),
     (["--sim-workers", "3"], "batch_size must be divisible by workers (3)"),
 ])

@@ -67,16 +67,17 @@ DEFAULT_NET = "bandwidth=100mbit,latency=2ms"
 
 def _cfg(name: str, workers: int, steps: int, target: float, out: Path, net: str | None):
     from plexus.config import JobConfig
-    flat = {**CONFIGS[name], **({"net": net} if net else {}), "workers": workers, "steps": steps, "dataset": "digits", "model": "mlp",
-            "batch_size": 64, "eval_every": 10, "target_accuracy": target, "seed": 0, "quiet": True,
-            "out": str(out), "overwrite": True}
+    flat = {**CONFIGS[name], **({"net": net} if net else {}), "workers": workers, "steps": steps,
+            "dataset": "digits", "model": "mlp", "batch_size": 64, "eval_every": 10, "target_accuracy": target,
+            "seed": 0, "quiet": True, "out": str(out), "overwrite": True}
     return JobConfig.from_flat(flat, {k: "flag" for k in flat})
 
 
 def _per_step(summary: dict) -> float:
     """Seconds per step: per worker step for asynchronous runs (each worker's own steps)."""
     steps = summary["steps"]
-    if summary.get("steps_kind") == "worker" or summary.get("strategy") == "ps" and summary.get("consistency") == "asp":
+    asynchronous = summary.get("strategy") == "ps" and summary.get("consistency") == "asp"
+    if summary.get("steps_kind") == "worker" or asynchronous:
         steps = steps / summary["workers"]
     return summary["wall_seconds"] / steps
 
