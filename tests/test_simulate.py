@@ -189,6 +189,8 @@ def test_the_cli_writes_a_run_directory_marked_simulated_and_stops_at_a_target(t
     (["--strategy", "tree-ps", "--workers", "4", "--fail", "worker:1@t=1"], "does not kill processes in a tree"),
     (["--fail", "worker:9@t=1"], "--fail worker:9"),
     (["--sim-workers", "3"], "batch_size must be divisible by workers (3)"),
+    (["--strategy", "ps", "--consistency", "asp", "--assignment", "dynamic"], "does not model --assignment dynamic"),
+    (["--workers", "2", "--kill", "worker:1@step=3"], "--kill (use --fail ROLE:K@t=SECONDS)"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, needle):
     code = main(["simulate", "--steps", "5", "--out", str(tmp_path / "x"), *args])

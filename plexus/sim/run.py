@@ -49,6 +49,18 @@ def check(cfg: JobConfig, spec: SimSpec) -> None:
     if cfg.run.batch_size % spec.workers and strategy != "sandblaster":  # sandblaster hands out units
         raise ConfigError(f"batch_size {cfg.run.batch_size} must be divisible by --sim-workers {spec.workers} "
                           f"(each worker takes an equal share): pass --batch-size {spec.workers * 32} for example")
+    s = cfg.strategy
+    unmodelled = [flag for flag, used in (
+        ("--assignment dynamic", s.assignment != "static"),
+        (f"--push-every {s.push_every}", s.push_every != 1),
+        (f"--fetch-every {s.fetch_every}", s.fetch_every != 1),
+        ("--kill (use --fail ROLE:K@t=SECONDS)", bool(cfg.cluster.kill)),
+        ("--dtype float64", cfg.model.dtype == "float64"),
+        ("--model logreg under ps (its sparse table)", strategy in ("ps", "tree-ps") and cfg.model.model == "logreg"),
+    ) if used]
+    if unmodelled:
+        raise ConfigError(f"plexus simulate does not model {', '.join(unmodelled)} yet: drop it, or train it for real "
+                          f"with plexus train")
     if cfg.run.time_limit is not None:
         raise ConfigError("--time-limit is wall-clock time; a simulation's time is virtual: pass --steps")
     if strategy == "tree-ps" and cfg.strategy.variant != "base" and (spec.failures or spec.fail_rate):
