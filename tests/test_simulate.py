@@ -258,3 +258,10 @@ def test_compare_refuses_cluster_flags_without_simulate(tmp_path, capsys):
     code = main(["compare", "allreduce", "--sim-workers", "64", "--out", str(tmp_path)])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "--sim-workers describe a simulated cluster: add --simulate" in err[0]
+
+
+def test_a_report_labels_simulated_runs(tmp_path):
+    from plexus.report import write_report
+    _sim(tmp_path, "sim", _cfg(steps=20))
+    page = write_report([tmp_path / "sim"], tmp_path / "report").read_text()
+    assert "(simulated)" in page

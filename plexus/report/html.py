@@ -120,6 +120,8 @@ def run_labels(runs: Sequence[RunDir]) -> list[str]:
     directory names, numbered if those collide too.
     """
     labels = knob_labels([_label_config(run) for run in runs])
+    # A simulated run's times are simulated seconds (plexus simulate): its label says so.
+    labels = [f"{label} (simulated)" if run.summary.get("simulated") else label for run, label in zip(runs, labels)]
     counts = Counter(labels)
     labels = [run.directory.resolve().name if counts[label] > 1 else label for run, label in zip(runs, labels)]
     seen: Counter[str] = Counter()
