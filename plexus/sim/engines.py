@@ -86,6 +86,7 @@ class Simulation:
         self.nbytes = self.numel * 4
         self.net = spec.network
         self.fail_at = self._failure_times()
+        self._snapshots = 0  # snapshots taken by snapshot_due
 
     def _failure_times(self) -> dict[tuple[str, int], float]:
         times = {(f.role, f.rank): f.time for f in self.spec.failures}
@@ -96,6 +97,29 @@ class Simulation:
                 key = ("worker", r)
                 times[key] = min(times.get(key, math.inf), float(t))
         return times
+
+    def log_train(self, now: float, step: int, loss: float | None, samples: int, sent: int,
+                  staleness: float | None = None, worker_samples: int | None = None) -> None:
+        """Worker 0's ``train`` event at its step ``step`` (the report's curves)."""
+        self.log("train", time=now, worker=0, step=step, loss=loss, samples=samples,
+                 worker_samples=step * self.share if worker_samples is None else worker_samples,
+                 bytes_sent=sent, bytes_recv=None, staleness=staleness)
+
+    def snapshot_due(self, step: int, last: int | None = None) -> bool:
+        """Whether worker 0's ``step`` reaches a new multiple of --eval-every in a run driven
+        by events (steps arrive one worker at a time); never at ``last``, the step the
+        run's end evaluates anyway, nor without the maths."""
+        every = self.cfg.run.eval_every
+        if not every or self.replica is None or step // every <= self._snapshots \
+                or (last is not None and step >= last):
+            return False
+        self._snapshots = step // every
+        return True
+
+    def snapshot(self, now: float, step: int, samples: int, weights: torch.Tensor) -> bool:
+        """Evaluate ``weights`` as the global model; True when --target-accuracy is reached."""
+        self.replica.load(weights)
+        return self.evaluate(now, step, samples)
 
     def compute_times(self, ranks: np.ndarray | None = None) -> np.ndarray:
         n = self.workers if ranks is None else len(ranks)
@@ -164,9 +188,7 @@ class AllReduceSim(Simulation):
             out.steps = step + 1
             done = out.steps
             if done % cfg.run.log_every == 0 or done == steps:
-                self.log("train", time=now, worker=0, step=done, loss=loss, samples=done * cfg.run.batch_size,
-                         worker_samples=done * self.share, bytes_sent=int(sent[0]) * done, bytes_recv=None,
-                         staleness=None)
+                self.log_train(now, done, loss, done * cfg.run.batch_size, int(sent[0]) * done)
             if cfg.run.eval_every and done % cfg.run.eval_every == 0 and done != steps:
                 if self.evaluate(now, done, done * cfg.run.batch_size):
                     break  # --target-accuracy reached
@@ -263,7 +285,6 @@ class ParameterServerSim(Simulation):
             self.params = self.replica.flat()
             self.optimizer = make_server_optimizer(cfg.optim, self.numel)
             self._held = {r: self.params for r in range(p)}
-        self._evals = 0
         self.end = 0.0
         self.waiting: list[_Worker] = []  # pushes arrived, replies not yet sent (arrival order)
         if self.replica is None:  # timing alone reads no sample
@@ -439,20 +460,12 @@ class ParameterServerSim(Simulation):
             self.queue.stop()
 
     def _log_worker0(self, w: _Worker) -> None:
-        self.log("train", time=self.queue.now, worker=0, step=w.steps, loss=w.loss,
-                 samples=sum(x.steps for x in self.ws) * self.share, worker_samples=w.steps * self.share,
-                 bytes_sent=w.sent, bytes_recv=None, staleness=w.staleness)
+        self.log_train(self.queue.now, w.steps, w.loss, sum(x.steps for x in self.ws) * self.share, w.sent,
+                       staleness=w.staleness)
 
     def _eval_if_due(self) -> None:
-        every = self.cfg.run.eval_every
-        if not every:
-            return
         w0 = self.ws[0]
-        due = w0.steps // every
-        if due > self._evals and (self.budget is not None or w0.steps < self.steps):
-            self._evals = due
-            if self.params is not None:
-                self.replica.load(self.params)
-            if self.evaluate(self.queue.now, w0.steps, sum(x.steps for x in self.ws) * self.share):
-                self.end = self.queue.now  # --target-accuracy reached: every worker stops
-                self.queue.stop()
+        if self.snapshot_due(w0.steps, None if self.budget is not None else self.steps) and \
+                self.snapshot(self.queue.now, w0.steps, sum(x.steps for x in self.ws) * self.share, self.params):
+            self.end = self.queue.now  # --target-accuracy reached: every worker stops
+            self.queue.stop()

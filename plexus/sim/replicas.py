@@ -57,10 +57,9 @@ class _Replicas(Simulation):
     def _snapshot(self, now: float, step: int, samples: int) -> bool:
         if self.replica is None:
             return False
-        self.replica.load(self._average_model())
         self.log("strategy", time=now, worker=0, step=step,
                  consensus_distance=consensus_distance([f.flat for f in self.flats]))
-        return self.evaluate(now, step, samples)
+        return self.snapshot(now, step, samples, self._average_model())
 
     def _finish(self, out: Outcome, clocks: np.ndarray, steps: int, compute: np.ndarray) -> Outcome:
         out.virtual_seconds = float(clocks.max())
@@ -89,8 +88,7 @@ class _Replicas(Simulation):
         reached --target-accuracy (the run stops there)."""
         cfg, now = self.cfg, float(clocks.max())
         if done % cfg.run.log_every == 0:
-            self.log("train", time=now, worker=0, step=done, loss=loss, samples=done * cfg.run.batch_size,
-                     worker_samples=done * self.share, bytes_sent=sent, bytes_recv=None, staleness=None)
+            self.log_train(now, done, loss, done * cfg.run.batch_size, sent)
         if cfg.run.eval_every and done % cfg.run.eval_every == 0 and done != steps:
             return self._snapshot(now, done, done * cfg.run.batch_size)
         return False
@@ -286,7 +284,6 @@ class EasgdSim(_Replicas):
         self.failed: str | None = None
         self.lost: list[int] = []
         self.end = 0.0
-        self._evals = 0
         for (role, rank), t in sorted(self.fail_at.items(), key=lambda kv: kv[1]):
             self.queue.at(t, self._die, role, rank)
         for r in range(p):
@@ -315,9 +312,7 @@ class EasgdSim(_Replicas):
         self.end = self.queue.now
         self.done[r] += 1
         if r == 0 and self.done[0] % self.cfg.run.log_every == 0:
-            self.log("train", time=self.queue.now, worker=0, step=self.done[0], loss=loss,
-                     samples=sum(self.done) * self.share, worker_samples=self.done[0] * self.share,
-                     bytes_sent=int(self.sent[0]), bytes_recv=None, staleness=None)
+            self.log_train(self.queue.now, self.done[0], loss, sum(self.done) * self.share, int(self.sent[0]))
         if self.done[r] % self.period:
             self._start(r)
             return
@@ -351,12 +346,9 @@ class EasgdSim(_Replicas):
         self._start(r)
 
     def _eval_if_due(self) -> None:
-        every = self.cfg.run.eval_every
-        if not every or not self.maths or self.done[0] // every <= self._evals or self.done[0] >= self.steps:
-            return
-        self._evals = self.done[0] // every
-        self.replica.load(self.centre)
-        if self.evaluate(self.queue.now, self.done[0], sum(self.done) * self.share):
+        step = self.done[0]
+        if self.snapshot_due(step, self.steps) and \
+                self.snapshot(self.queue.now, step, sum(self.done) * self.share, self.centre):
             self.queue.stop()
 
     def _die(self, role: str, rank: int) -> None:
@@ -408,7 +400,6 @@ class AdPsgdSim(_Replicas):
         self.averagings = 0
         self.lost: list[int] = []
         self.end = 0.0
-        self._evals = 0
         for (role, rank), t in sorted(self.fail_at.items(), key=lambda kv: kv[1]):
             if role == "worker":
                 self.queue.at(t, self._die, rank)
@@ -492,16 +483,12 @@ class AdPsgdSim(_Replicas):
         self.done[r] += 1
         self.end = self.queue.now
         if r == 0 and self.done[0] % self.cfg.run.log_every == 0:
-            self.log("train", time=self.queue.now, worker=0, step=self.done[0], loss=None,
-                     samples=sum(self.done) * self.share, worker_samples=self.done[0] * self.share,
-                     bytes_sent=int(self.sent[0]), bytes_recv=None, staleness=None)
-        every = self.cfg.run.eval_every
-        if r == 0 and every and self.maths and self.done[0] // every > self._evals:
-            self._evals = self.done[0] // every
-            self.replica.load(self.flats[0].flat)  # worker 0's replica, as the real run evaluates
-            if self.evaluate(self.queue.now, self.done[0], sum(self.done) * self.share):
-                self.queue.stop()
-                return
+            self.log_train(self.queue.now, self.done[0], None, sum(self.done) * self.share, int(self.sent[0]))
+        # Worker 0's replica is the global model during the run, as the real run evaluates it.
+        if r == 0 and self.snapshot_due(self.done[0]) and \
+                self.snapshot(self.queue.now, self.done[0], sum(self.done) * self.share, self.flats[0].flat):
+            self.queue.stop()
+            return
         self._start(r)
 
     def _die(self, rank: int) -> None:

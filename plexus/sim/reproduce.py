@@ -18,23 +18,19 @@ reproduction).
 """
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
 from plexus.errors import ConfigError
+from plexus.sim.cluster import ComputeModel
 
 __all__ = ["RECIPES", "Recipe", "run_recipe", "COMPUTE"]
 
 
-def _compute():
-    from plexus.sim.cluster import ComputeModel
-    return ComputeModel(per_sample=5e-6, overhead=2e-4)
-
-
-COMPUTE = _compute()
+# Every recipe's compute time (module docstring).
+COMPUTE = ComputeModel(per_sample=5e-6, overhead=2e-4)
 
 
 @dataclass(frozen=True)
@@ -261,6 +257,7 @@ def run_recipe(name: str, out: Path, quick: bool = False, seed: int = 0) -> tupl
     from plexus.config import JobConfig
     from plexus.sim.cluster import SimSpec, network_of
     from plexus.sim.run import simulate
+    from plexus.train.job import prepare_run_dir
     from plexus.train.metrics import read_events
     if name not in RECIPES:
         raise ConfigError(f"no recipe {name!r}: choose one of {', '.join(RECIPES)} (plexus reproduce --list)")
@@ -271,18 +268,13 @@ def run_recipe(name: str, out: Path, quick: bool = False, seed: int = 0) -> tupl
     summaries: dict[str, dict] = {}
     curves: dict[str, list[dict]] = {}
     for config in recipe.configs():
-        flat = {**config.flags, "steps": steps, "seed": seed, "quiet": True}
+        folder = root / "".join(c if c.isalnum() or c in "-=." else "_" for c in config.label)
+        flat = {**config.flags, "steps": steps, "seed": seed, "quiet": True, "out": str(folder), "overwrite": True}
         cfg = JobConfig.from_flat(flat, {k: "flag" for k in flat})
-        run_dir = root / "".join(c if c.isalnum() or c in "-=." else "_" for c in config.label)
-        run_dir.mkdir(exist_ok=True)
-        for stale in ("metrics.jsonl", "summary.json"):
-            (run_dir / stale).unlink(missing_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-        spec = SimSpec(workers=cfg.cluster.workers, servers=cfg.cluster.servers, compute=COMPUTE,
+        run_dir = prepare_run_dir(cfg)
+        compute = replace(COMPUTE, jitter=config.sim.get("compute_jitter", COMPUTE.jitter))
+        spec = SimSpec(workers=cfg.cluster.workers, servers=cfg.cluster.servers, compute=compute,
                        network=network_of(cfg.cluster.net))
-        if "compute_jitter" in config.sim:
-            from dataclasses import replace
-            spec = replace(spec, compute=replace(spec.compute, jitter=config.sim["compute_jitter"]))
         summary = simulate(cfg, spec, run_dir)
         summaries[config.label] = summary
         curves[config.label] = read_events(run_dir, "eval")

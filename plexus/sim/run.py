@@ -22,7 +22,7 @@ from plexus.sim.engines import AllReduceSim, Outcome, ParameterServerSim
 from plexus.sim.maths import Replica
 from plexus.sim.replicas import AdPsgdSim, EasgdSim, GossipSim, LocalSgdSim
 from plexus.sim.sandblaster import SandblasterSim
-from plexus.sim.tree import tree_engine
+from plexus.sim.tree import TreePsSim
 from plexus.train.data import load_dataset
 from plexus.train.evaluation import loss_fn
 from plexus.train.metrics import MetricsLog
@@ -31,10 +31,22 @@ from plexus.train.runner import total_steps
 
 __all__ = ["simulate", "check", "SIMULATED"]
 
-# The simulated job of each strategy the simulator models today.
-ENGINES = {"allreduce": AllReduceSim, "ps": ParameterServerSim, "tree-ps": None, "local-sgd": LocalSgdSim,
+# The simulated job of each strategy the simulator models today (``engine_for`` picks the
+# variant: tree-ps base is the flat PS under the tree's gate, gossip --async is AD-PSGD).
+ENGINES = {"allreduce": AllReduceSim, "ps": ParameterServerSim, "tree-ps": TreePsSim, "local-sgd": LocalSgdSim,
            "gossip": GossipSim, "easgd": EasgdSim, "sandblaster": SandblasterSim}
 SIMULATED = tuple(ENGINES)
+
+
+def engine_for(cfg: JobConfig) -> tuple[type, JobConfig]:
+    """The simulated job that runs ``cfg``, and the config it runs."""
+    s = cfg.strategy
+    if s.strategy == "tree-ps" and s.variant == "base":
+        from plexus.strategies.tree_ps import TreePSStrategy
+        return ParameterServerSim, TreePSStrategy.effective(cfg)
+    if s.strategy == "gossip" and s.async_gossip:
+        return AdPsgdSim, cfg
+    return ENGINES[s.strategy], cfg
 
 
 def check(cfg: JobConfig, spec: SimSpec) -> None:
@@ -101,10 +113,7 @@ def simulate(cfg: JobConfig, spec: SimSpec, run_dir: Path | None) -> dict[str, A
                 model="global")
         return target is not None and accuracy >= target
 
-    kind = AdPsgdSim if cfg.strategy.strategy == "gossip" and cfg.strategy.async_gossip else \
-        ENGINES[cfg.strategy.strategy]
-    if cfg.strategy.strategy == "tree-ps":
-        kind, cfg = tree_engine(cfg)
+    kind, cfg = engine_for(cfg)
     engine = kind(cfg, spec, data, replica, log.log, evaluate if replica is not None else (lambda *a: False))
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -144,6 +153,8 @@ def _summary(cfg: JobConfig, spec: SimSpec, out: Outcome, evals: list[dict[str, 
         "dataset": cfg.data.dataset,
         "model": cfg.model.model,
         "steps": out.steps,
+        # As plexus train's summary says it (summary.py): steps taken together, or each worker's own, summed.
+        "steps_kind": "global" if out.samples == out.steps * cfg.run.batch_size else "worker",
         "steps_per_worker": out.steps_per_worker if len(out.steps_per_worker) <= 64 else None,
         "samples": out.samples,
         "final_test_accuracy": final.get("accuracy"),

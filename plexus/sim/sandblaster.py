@@ -66,12 +66,10 @@ class SandblasterSim(Simulation):
             self.now += (self.vectors.trips - trips) * 2 * self.net.alpha  # the reductions' round trips
             iterations = i + 1
             if (i + 1) % cfg.run.log_every == 0:
-                self.log("train", time=self.now, worker=0, step=i + 1, loss=it.loss,
-                         samples=sum(self.units_done) * self.unit, worker_samples=self.units_done[0] * self.unit,
-                         bytes_sent=int(self.sent[0]), bytes_recv=None, staleness=None)
+                self.log_train(self.now, i + 1, it.loss, sum(self.units_done) * self.unit, int(self.sent[0]),
+                               worker_samples=self.units_done[0] * self.unit)
             if cfg.run.eval_every and (i + 1) % cfg.run.eval_every == 0 and i + 1 < steps and self.maths:
-                self.replica.load(self.vectors[Slot.X])
-                if self.evaluate(self.now, i + 1, sum(self.units_done) * self.unit):
+                if self.snapshot(self.now, i + 1, sum(self.units_done) * self.unit, self.vectors[Slot.X]):
                     break
             if it.converged and self.full:
                 break

@@ -25,24 +25,16 @@ from plexus.ps.consistency import Push, SoftSync
 from plexus.ps.optimizers import make_server_optimizer
 from plexus.ps.staleness import StalenessHistogram
 from plexus.ps.tree import ROOT, Node, Tree
-from plexus.sim.engines import HEADER_BYTES, Outcome, ParameterServerSim, Simulation, server_update
+from plexus.sim.engines import HEADER_BYTES, Outcome, Simulation, server_update
 from plexus.sim.events import EventQueue
 from plexus.train.batches import GlobalBatches, PartitionBatches
 
-__all__ = ["TreePsSim", "tree_engine"]
+__all__ = ["TreePsSim"]
 
 
 def _group_size(cfg) -> int:
     from plexus.strategies.tree_ps import group_size
     return group_size(cfg)
-
-
-def tree_engine(cfg):
-    """The simulated job and the config it runs: ``base`` is the flat PS under the gate."""
-    if cfg.strategy.variant == "base":
-        from plexus.strategies.tree_ps import TreePSStrategy
-        return ParameterServerSim, TreePSStrategy.effective(cfg)
-    return TreePsSim, cfg
 
 
 @dataclass
@@ -104,7 +96,6 @@ class TreePsSim(Simulation):
         self.steps = steps
         self.end = 0.0
         self.order: list[tuple[int, int]] = []
-        self._evals = 0
         self.root_waiting: list[tuple[int, _Entry]] = []  # (sender, forwarded entry) awaiting a read
         n = len(self.data.x_train)
         if self.params is None:
@@ -163,9 +154,8 @@ class TreePsSim(Simulation):
         self.steps_done[r] += 1
         self.sent[r] += self.msg
         if r == 0 and self.steps_done[0] % self.cfg.run.log_every == 0:
-            self.log("train", time=self.queue.now, worker=0, step=self.steps_done[0], loss=self.loss[0],
-                     samples=sum(self.steps_done) * self.share, worker_samples=self.steps_done[0] * self.share,
-                     bytes_sent=int(self.sent[0]), bytes_recv=None, staleness=None)
+            self.log_train(self.queue.now, self.steps_done[0], self.loss[0], sum(self.steps_done) * self.share,
+                           int(self.sent[0]))
         self._send(node, self.tree.parent(node), entry)
 
     def _acked(self, r: int, weights, version: int) -> None:
@@ -325,12 +315,7 @@ class TreePsSim(Simulation):
         self.root_waiting = keep
 
     def _eval_if_due(self, r: int) -> None:
-        every = self.cfg.run.eval_every
-        if r != 0 or not every or self.params is None:
-            return
-        due = self.steps_done[0] // every
-        if due > self._evals and (self.budget is not None or self.steps_done[0] < self.steps):
-            self._evals = due
-            self.replica.load(self.params)
-            if self.evaluate(self.queue.now, self.steps_done[0], sum(self.steps_done) * self.share):
-                self.queue.stop()
+        step = self.steps_done[0]
+        if r == 0 and self.snapshot_due(step, None if self.budget is not None else self.steps) and \
+                self.snapshot(self.queue.now, step, sum(self.steps_done) * self.share, self.params):
+            self.queue.stop()

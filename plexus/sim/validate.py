@@ -31,6 +31,7 @@ from typing import Any
 __all__ = ["CONFIGS", "Row", "validate", "TOLERANCE"]
 
 TOLERANCE = 0.15
+BATCH = 64  # the global batch of every run
 REFERENCE = "allreduce ring"
 CONFIGS: dict[str, dict[str, Any]] = {
     "allreduce ring": {"strategy": "allreduce", "algorithm": "ring"},
@@ -68,7 +69,7 @@ DEFAULT_NET = "bandwidth=100mbit,latency=2ms"
 def _cfg(name: str, workers: int, steps: int, target: float, out: Path, net: str | None):
     from plexus.config import JobConfig
     flat = {**CONFIGS[name], **({"net": net} if net else {}), "workers": workers, "steps": steps,
-            "dataset": "digits", "model": "mlp", "batch_size": 64, "eval_every": 10, "target_accuracy": target,
+            "dataset": "digits", "model": "mlp", "batch_size": BATCH, "eval_every": 10, "target_accuracy": target,
             "seed": 0, "quiet": True, "out": str(out), "overwrite": True}
     return JobConfig.from_flat(flat, {k: "flag" for k in flat})
 
@@ -76,8 +77,7 @@ def _cfg(name: str, workers: int, steps: int, target: float, out: Path, net: str
 def _per_step(summary: dict) -> float:
     """Seconds per step: per worker step for asynchronous runs (each worker's own steps)."""
     steps = summary["steps"]
-    asynchronous = summary.get("strategy") == "ps" and summary.get("consistency") == "asp"
-    if summary.get("steps_kind") == "worker" or asynchronous:
+    if summary["steps_kind"] == "worker":
         steps = steps / summary["workers"]
     return summary["wall_seconds"] / steps
 
@@ -85,51 +85,29 @@ def _per_step(summary: dict) -> float:
 def validate(out: Path, workers: tuple[int, ...] = (2, 4, 8), steps: int = 150, target: float = 0.8,
              net: str | None = DEFAULT_NET, echo=print) -> tuple[list[Row], dict[str, float]]:
     import io
-    from dataclasses import replace
+    from plexus.config import parse_net
     from plexus.sim.cluster import ComputeModel, SimSpec, network_of
     from plexus.sim.run import simulate
-    from plexus.train.job import run_local
-    from plexus.collectives.cost import Network
+    from plexus.train.job import prepare_run_dir, run_local
     real: dict[tuple[int, str], dict] = {}
     for p in workers:
         for name in CONFIGS:
             cfg = _cfg(name, p, steps, target, out / f"real-{p}-{name.replace(' ', '_')}", net)
             echo(f"real      P={p} {name}")
             real[p, name] = run_local(cfg, sink=io.StringIO())[1]
-            # No target stop for the step time: a run that stopped early has fewer steps.
     # Calibration from the reference configuration.
     per_sample, comm = {}, {}
     for p in workers:
         s = real[p, REFERENCE]
         compute = sum(c for c in s["compute_seconds_per_worker"] if c) / p / s["steps"]
-        per_sample[p] = compute / (64 // p)
+        per_sample[p] = compute / (BATCH // p)
         comm[p] = max(0.0, s["wall_seconds"] / s["steps"] - compute)
-    numel = 26122 * 4  # the digits MLP's gradient bytes
-    # Least squares for comm = alpha * a_p + beta * b_p.
-    a = {p: 2 * (p - 1) for p in workers}
-    b = {p: 2 * (p - 1) / p * numel for p in workers}
-    saa = sum(a[p] ** 2 for p in workers)
-    sbb = sum(b[p] ** 2 for p in workers)
-    sab = sum(a[p] * b[p] for p in workers)
-    sac = sum(a[p] * comm[p] for p in workers)
-    sbc = sum(b[p] * comm[p] for p in workers)
-    det = saa * sbb - sab ** 2
-    alpha = max(1e-7, (sac * sbb - sbc * sab) / det) if det else comm[workers[0]] / a[workers[0]]
-    beta = max(0.0, (saa * sbc - sab * sac) / det) if det else 0.0
-    network = Network(alpha=alpha, beta=beta, gamma=0.25e-9)
-    if net:
-        from plexus.config import parse_net
-        spec_net = parse_net(net)
-        network = network_of(spec_net)
-        alpha, beta = network.alpha, network.beta
+    network = network_of(parse_net(net)) if net else _fit_network(comm, _gradient_bytes())
     rows = []
     for p in workers:
         for name in CONFIGS:
             cfg = _cfg(name, p, steps, target, out / f"sim-{p}-{name.replace(' ', '_')}", net)
-            run_dir = Path(cfg.run.out)
-            run_dir.mkdir(parents=True, exist_ok=True)
-            for stale in ("metrics.jsonl", "summary.json"):
-                (run_dir / stale).unlink(missing_ok=True)
+            run_dir = prepare_run_dir(cfg)
             spec = SimSpec(workers=p, servers=cfg.cluster.servers,
                            compute=ComputeModel(per_sample=per_sample[p], measured=True), network=network)
             echo(f"simulated P={p} {name}")
@@ -137,7 +115,35 @@ def validate(out: Path, workers: tuple[int, ...] = (2, 4, 8), steps: int = 150, 
             r = real[p, name]
             rows.append(Row(p, name, _per_step(r), _per_step(sim), r["time_to_target_seconds"],
                             sim["time_to_target_seconds"]))
-    return rows, {"alpha": alpha, "beta": beta, **{f"per_sample_P{p}": per_sample[p] for p in workers}}
+    return rows, {"alpha": network.alpha, "beta": network.beta,
+                  **{f"per_sample_P{p}": per_sample[p] for p in workers}}
+
+
+def _gradient_bytes() -> int:
+    """Bytes of the validation model's gradient (the digits MLP, float32)."""
+    from plexus.train.data import load_dataset
+    from plexus.train.models import build_model
+    cfg = _cfg(REFERENCE, 2, 1, 0.8, Path("."), None)
+    model = build_model(cfg.model, load_dataset(cfg.data, cfg.run.seed))
+    return sum(p.numel() for p in model.parameters()) * 4
+
+
+def _fit_network(comm: dict[int, float], nbytes: int):
+    """Alpha and beta fitted by least squares to the ring's communication time per step,
+    comm[P] = 2(P-1) alpha + 2(P-1)/P N beta (``--net none``: loopback as it is)."""
+    from plexus.collectives.cost import Network
+    ps = sorted(comm)
+    a = {p: 2 * (p - 1) for p in ps}
+    b = {p: 2 * (p - 1) / p * nbytes for p in ps}
+    saa = sum(a[p] ** 2 for p in ps)
+    sbb = sum(b[p] ** 2 for p in ps)
+    sab = sum(a[p] * b[p] for p in ps)
+    sac = sum(a[p] * comm[p] for p in ps)
+    sbc = sum(b[p] * comm[p] for p in ps)
+    det = saa * sbb - sab ** 2
+    alpha = max(1e-7, (sac * sbb - sbc * sab) / det) if det else comm[ps[0]] / a[ps[0]]
+    beta = max(0.0, (saa * sbc - sab * sac) / det) if det else 0.0
+    return Network(alpha=alpha, beta=beta, gamma=0.25e-9)
 
 
 def table(rows: list[Row], calibration: dict[str, float]) -> str:
