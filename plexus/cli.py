@@ -744,15 +744,22 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _simulate_one(cfg, given: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
-    """One compare spec on the simulated cluster: its run directory and summary; a
-    simulated job that failed (a process killed by --fail) fails the spec."""
-    from plexus.errors import JobFailed
+def _run_simulation(cfg, given: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
+    """Simulate job ``cfg`` on the cluster of ``given``'s flags into its run directory
+    (summary, metrics, report); returns the directory and the summary."""
     from plexus.sim.run import simulate
     from plexus.train.job import _write_report, prepare_run_dir
     run_dir = prepare_run_dir(cfg)
     summary = simulate(cfg, _sim_spec(cfg, given), run_dir)
     _write_report(cfg, run_dir)
+    return run_dir, summary
+
+
+def _simulate_one(cfg, given: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
+    """One compare spec on the simulated cluster; a simulated job that failed (a process
+    killed by --fail) fails the spec."""
+    from plexus.errors import JobFailed
+    run_dir, summary = _run_simulation(cfg, given)
     if summary["status"] != "completed":
         raise JobFailed(f"the simulated job failed: {summary['error']}")
     return run_dir, summary
@@ -783,8 +790,7 @@ def _sim_spec(cfg, given: dict[str, Any]):
 
 def _simulate(args: argparse.Namespace) -> int:
     """``plexus simulate``: the job's flags plus the cluster's; a run directory marked simulated."""
-    from plexus.sim.run import check, simulate
-    from plexus.train.job import _write_report, prepare_run_dir
+    from plexus.sim.run import check
     given = vars(args)
     if given.get("validate"):
         from plexus.sim.validate import table, validate
@@ -797,11 +803,8 @@ def _simulate(args: argparse.Namespace) -> int:
         return 0
     _sim_workers(given)
     cfg = job_config(args)
-    spec = _sim_spec(cfg, given)
-    check(cfg, spec)
-    run_dir = prepare_run_dir(cfg)
-    summary = simulate(cfg, spec, run_dir)
-    _write_report(cfg, run_dir)
+    check(cfg, _sim_spec(cfg, given))  # before the run directory is made
+    run_dir, summary = _run_simulation(cfg, given)
     acc = summary["final_test_accuracy"]
     said = f"final test accuracy {acc:.2%}  " if acc is not None else ""
     print(f"simulated {summary['workers']} workers: {said}{summary['steps']} steps in "
