@@ -60,6 +60,10 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(g, "assignment", choices=["static", "dynamic"],
           help="ps data: static partitions, or dynamic units taken when idle (default static)")
     _flag(g, "backup-workers", type=int, help="bsp: b of the --workers processes are backups; each step uses the first workers - b gradients")
+    _flag(g, "replication", type=int,
+          help="keep each shard on its k successor servers; one takes over when the primary dies (default 0)")
+    _flag(g, "ledger", action="store_const", const=True,
+          help="test mode: pushes carry known integers and the summary checks that none was lost or applied twice")
     g = parser.add_argument_group("Sandblaster L-BFGS (sandblaster)")
     _flag(g, "history", type=int, help="L-BFGS history m (default 10)")
     _flag(g, "lbfgs", choices=["two-loop", "vector-free"], help="direction recursion (default two-loop)")

@@ -307,6 +307,15 @@ class StrategyConfig:
     # workers - b gradients to arrive, late ones dropped (Chen et al. 2016).
     backup_workers: int = 0
 
+    # --- the server group (ps) ---
+    # Each shard is replicated on its k successors on the ring of servers, and a successor
+    # takes it over when its primary dies (ps/replication.py; 0: no replicas, as Li et al.'s
+    # servers without replication: a dead server ends the job).
+    replication: int = 0
+    # Test mode (Jepsen-style): every push carries worker * 10^6 + clock in the first element
+    # of each shard, and the summary checks acknowledged <= applied <= sent, each once.
+    ledger: bool = False
+
     # --- Sandblaster L-BFGS (sandblaster) ---
     # L-BFGS history m: the (s, y) pairs kept on the server shards.
     history: int = 10
@@ -349,6 +358,8 @@ class StrategyConfig:
                  self.assignment, "pass --assignment dynamic")
         _require(self.backup_workers >= 0, "backup_workers", "must be non-negative", self.backup_workers,
                  "pass --backup-workers 1")
+        _require(self.replication >= 0, "replication", "must be non-negative", self.replication,
+                 "pass --replication 1")
         _require(self.history >= 1, "history", "must be at least 1 (s, y) pair", self.history,
                  "pass --history 10")
         _require(self.lbfgs in ("two-loop", "vector-free"), "lbfgs", "must be two-loop or vector-free", self.lbfgs,

@@ -60,6 +60,9 @@ APPLIES: dict[str, tuple[str, ...]] = {
     # the scheduler under ps (train/batches.py, ps/server.py)
     "assignment": ("ps",),
     "backup_workers": ("ps",),
+    # the server group (ps/replication.py)
+    "replication": ("ps",),
+    "ledger": ("ps",),
     # Sandblaster L-BFGS (sandblaster/)
     "history": ("sandblaster",),
     "lbfgs": ("sandblaster",),

@@ -26,6 +26,7 @@ from plexus.config import NetSpec
 from plexus.errors import ConfigError, PeerLost, ProtocolError
 from plexus.ps.heartbeat import Heartbeat, Watch
 from plexus.ps.protocol import HEADER_LEN, Header, Op, Status, check_reply, decode, dtype_code, encode
+from plexus.ps.replication import owner_of
 from plexus.ps.server import KEYS, VNODES
 from plexus.ps.sharding import HashRing, RangeSharding
 
@@ -60,12 +61,19 @@ class PSClient:
     In a tree (``tree.py``) the client may be an aggregator (``name``), and its parent
     may be an aggregator (``parent``) rather than the servers: then one link carries the
     messages of every shard, in shard order, and the parent answers them in that order.
-    ``sender`` is the client's index among its parent's children (its rank by default)."""
+    ``sender`` is the client's index among its parent's children (its rank by default).
+
+    ``failover`` (``--replication``): when the link to a shard's server breaks, wait for
+    the replica that takes the shard over (``replication.owner_of``), link to it, and send
+    the request again; a push it already holds is acknowledged, not applied twice."""
 
     def __init__(self, store: dist.Store, rank: int, servers: int, *, numel: int, dtype: torch.dtype,
                  rows: int = 0, width: int = 0, traffic: Traffic, timeout: float, net: NetSpec | None = None, transport: str = "auto",
-                 sender: int | None = None, name: str | None = None, parent: str | None = None) -> None:
+                 sender: int | None = None, name: str | None = None, parent: str | None = None,
+                 failover: bool = False) -> None:
         self.store, self.rank, self.servers = store, rank, servers
+        self.failover = failover and parent is None
+        self.hosts = list(range(servers))     # the server process serving each shard
         self.me = name or f"worker {rank}"
         self.sender = rank if sender is None else sender
         self.parent = parent
@@ -122,29 +130,71 @@ class PSClient:
 
     def _exchange(self, requests: list[_Request]) -> Reply:
         """Send every request and receive every reply, all shards at once."""
-        sends: list[Work] = []
-        heads: list[Work] = []
-        bodies: list[list[Work]] = []
+        if not self.failover:
+            posted = [self._post(s, req) for s, req in enumerate(requests)]
+            return Reply([self._complete(s, req, works) for s, (req, works) in enumerate(zip(requests, posted))])
+        # Under replication a broken link is a dead server: the other shards' exchanges
+        # finish first, then the broken ones go again to the shard's new server.
+        posted: list[tuple[list[Work], Work, list[Work]] | PeerLost] = []
         for s, req in enumerate(requests):
-            link = self.links[s]
-            heads.append(link.irecv(self._rx[s], link.peer_index))
-            bodies.append([link.irecv(buf, link.peer_index) for buf in req.into])
-            sends.append(link.isend(encode(req.header), link.peer_index))
-            sends += [link.isend(p, link.peer_index) for p in req.payloads]
+            try:
+                posted.append(self._post(s, req))
+            except PeerLost as exc:
+                posted.append(exc)
+        headers: list[Header | None] = [None] * self.servers
+        for s, (req, works) in enumerate(zip(requests, posted)):
+            try:
+                if isinstance(works, PeerLost):
+                    raise works
+                headers[s] = self._complete(s, req, works)
+            except PeerLost as exc:
+                headers[s] = self._again(s, req, exc)
+        return Reply(headers)
+
+    def _post(self, s: int, req: _Request) -> tuple[list[Work], Work, list[Work]]:
+        """Post shard ``s``'s request and the receives of its reply."""
+        link = self.links[s]
+        head = link.irecv(self._rx[s], link.peer_index)
+        body = [link.irecv(buf, link.peer_index) for buf in req.into]
+        sends = [link.isend(encode(req.header), link.peer_index)]
+        sends += [link.isend(p, link.peer_index) for p in req.payloads]
+        return sends, head, body
+
+    def _complete(self, s: int, req: _Request, works: tuple[list[Work], Work, list[Work]]) -> Header:
+        sends, head, body = works
         for work in sends:
             work.wait()
-        headers = []
-        for s, (req, work) in enumerate(zip(requests, heads)):
+        head.wait()
+        who = f"server {self.hosts[s]}"
+        header = decode(self._rx[s], who)
+        check_reply(header, req.header, who)
+        if header.status != Status.OK:
+            self._refused(s, header)
+        for work in body:
             work.wait()
-            header = decode(self._rx[s], f"server {s}")
-            check_reply(header, req.header, f"server {s}")
-            if header.status != Status.OK:
-                self._refused(s, header)
-            headers.append(header)
-        for works in bodies:
-            for work in works:
-                work.wait()
-        return Reply(headers)
+        return header
+
+    def _again(self, s: int, req: _Request, lost: PeerLost) -> Header:
+        """Shard ``s``'s server died during ``req``: send it to the server that took the
+        shard over (PeerLost if none did within ``timeout``), as often as servers die."""
+        while True:
+            dead = self.hosts[s]
+            deadline = time.monotonic() + self.timeout
+            while (host := owner_of(self.store, s)) == dead:
+                if time.monotonic() > deadline:
+                    raise PeerLost(f"{self.me}: server {dead} died and no replica took shard {s} over within "
+                                   f"{self.timeout:g} s ({lost})", peer=f"server {dead}") from None
+                time.sleep(0.01)
+            logger.warning("%s: shard %d moved from server %d to server %d; sending %s again", self.me, s, dead,
+                           host, Op(req.header.op).name)
+            self.links[s].close()
+            self.hosts[s] = host
+            try:
+                self.links[s] = Link(self.store, self.me, f"server {host}", traffic=self.traffic,
+                                     timeout=self.timeout, net=self.net, transport=self.transport, tag=f"shard {s}")
+                return self._complete(s, req, self._post(s, req))
+            except PeerLost as exc:
+                lost = exc
 
     def _refused(self, server: int, header: Header) -> None:
         if header.status == Status.LOST:
@@ -288,7 +338,8 @@ class PSClient:
         while not self.store.check(keys):
             now = time.monotonic()
             watch.tick(now)
-            for s in range(self.servers):
+            hosts = {owner_of(self.store, s) if self.failover else s for s in range(self.servers)}
+            for s in sorted(hosts):
                 why = watch.judge(f"server {s}", self.store.add(KEYS.heartbeat("server", s), 0), now, start)
                 if why is not None:
                     raise PeerLost(f"{self.me}: server {s} stopped beating while the job drained: {why}",

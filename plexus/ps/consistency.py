@@ -87,6 +87,14 @@ class Consistency(ABC):
     def live(self) -> list[int]:
         return sorted(self.clocks)
 
+    def restore(self, clocks: dict[int, int]) -> None:
+        """Start from the live workers' ``clocks`` (a replica taking a shard over, with
+        every update before them applied and nothing pending)."""
+        if self.clocks:
+            raise ValueError("restore needs a gate with no live worker")
+        for worker, clock in sorted(clocks.items()):
+            self.join(worker, clock)
+
     def push(self, push: Push[P]) -> list[list[Push[P]]]:
         """Record a push; returns the groups to apply now, in order."""
         expected = self.clocks.get(push.worker)
@@ -190,6 +198,10 @@ class BSP(Consistency):
         if worker in self.clocks:
             self._count(self.clocks[worker], -1)
         return super().leave(worker)
+
+    def restore(self, clocks: dict[int, int]) -> None:
+        super().restore(clocks)
+        self.applied = min(clocks.values(), default=0)  # every round below every clock was applied
 
     def _on_push(self, push: Push[P]) -> list[list[Push[P]]]:
         self._count(push.clock, -1)

@@ -69,6 +69,10 @@ class ServerOptimizer(ABC):
         """Count one update of the shard (dense and sparse parts together)."""
         self.steps += 1
 
+    def state(self) -> list[torch.Tensor]:
+        """The dense state tensors, in a fixed order (what a replica copies; ``replication.py``)."""
+        return []
+
     @abstractmethod
     def _dense(self, params: torch.Tensor, grad: torch.Tensor, lr: float, out: torch.Tensor) -> None:
         ...
@@ -99,6 +103,9 @@ class Momentum(ServerOptimizer):
         self.momentum = cfg.momentum
         self.buf, self.row_buf = self._zeros(False), self._zeros(True)
 
+    def state(self) -> list[torch.Tensor]:
+        return [self.buf]
+
     def _dense(self, params: torch.Tensor, grad: torch.Tensor, lr: float, out: torch.Tensor) -> None:
         self.buf.mul_(self.momentum).add_(grad)
         torch.add(params, self.buf, alpha=-lr, out=out)
@@ -119,6 +126,9 @@ class Adagrad(ServerOptimizer):
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__(cfg, numel, rows, width, dtype)
         self.sum, self.row_sum = self._zeros(False), self._zeros(True)
+
+    def state(self) -> list[torch.Tensor]:
+        return [self.sum]
 
     def _dense(self, params: torch.Tensor, grad: torch.Tensor, lr: float, out: torch.Tensor) -> None:
         self.sum.addcmul_(grad, grad, value=1)
@@ -141,6 +151,9 @@ class Adam(ServerOptimizer):
         super().__init__(cfg, numel, rows, width, dtype)
         self.m, self.v = self._zeros(False), self._zeros(False)
         self.row_m, self.row_v = self._zeros(True), self._zeros(True)
+
+    def state(self) -> list[torch.Tensor]:
+        return [self.m, self.v]
 
     def _moments(self, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, lr: float
                  ) -> tuple[torch.Tensor, float]:

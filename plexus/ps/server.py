@@ -43,6 +43,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from plexus.cluster.emulation import Emulator
 from plexus.cluster.group import Link
 from plexus.cluster.rendezvous import lost_key
 from plexus.cluster.traffic import Traffic
@@ -51,18 +52,22 @@ from plexus.errors import CommError, CommTimeout, ProtocolError
 from plexus.ps.consistency import Consistency, Push, SoftSync, make_consistency
 from plexus.ps.heartbeat import Log, Watch, beat_key
 from plexus.ps.optimizers import ServerOptimizer, make_server_optimizer
+from plexus.ps.replication import Replicator, ShardState, WorkerRow, successors
 from plexus.ps.protocol import (HEADER_BYTES, MEMBER_FIELDS, SENTINEL, Header, Op, ShardSpec, Status, check_request,
                                 code_dtype, decode, encode, header_buffer, mark_payload, payload_short,
                                 request_payloads)
 from plexus.ps.sharding import HashRing, RangeSharding
 from plexus.ps.staleness import StalenessHistogram, staleness_lr_scale
 
-__all__ = ["ParameterServer", "KEYS", "VNODES", "recv_payloads", "silent_for"]
+__all__ = ["ParameterServer", "KEYS", "VNODES", "LEDGER_BASE", "recv_payloads", "silent_for"]
 
 logger = logging.getLogger(__name__)
 
 # Virtual nodes per server on the hash ring of sparse rows.
 VNODES = 64
+# ``--ledger``: worker w's push of clock t carries w * LEDGER_BASE + t in the first element
+# of every shard's range (an integer that float32 holds exactly below 2**24).
+LEDGER_BASE = 10 ** 6
 
 
 class KEYS:
@@ -92,6 +97,16 @@ class KEYS:
     @staticmethod
     def drained(server: int) -> str:
         return f"ps/drained/{server}"
+
+    @staticmethod
+    def ledger_sent(worker: int) -> str:
+        """``--ledger``: the sum of the codes worker ``worker`` pushed (to every shard)."""
+        return f"ps/ledger/sent/{worker}"
+
+    @staticmethod
+    def ledger_acked(shard: int, worker: int) -> str:
+        """``--ledger``: the sum of the codes of ``worker``'s pushes that ``shard`` acknowledged."""
+        return f"ps/ledger/acked/{shard}/{worker}"
 
 
 # Worker states on one server.
@@ -190,13 +205,23 @@ class ParameterServer:
     workers; at the root of a tree (``tree.py``) the root's children, aggregators or
     workers, which may push the sums of several workers' gradients (tree pushes).
     ``readers`` names processes that only read the weights, on links of their own (the
-    learners of Rudra-adv*, ``readers.py``): outside the gate, the fan-in and the drain."""
+    learners of Rudra-adv*, ``readers.py``): outside the gate, the fan-in and the drain.
+
+    Replication (``replication.py``). ``host`` is the server process that runs this
+    shard: ``index`` itself, or a replica that took shard ``index`` over after its primary
+    died, starting from the replicated ``state``; ``recovery`` then holds the wall times
+    of the takeover (detected, takeover), to which the first update served is added."""
 
     def __init__(self, store: dist.Store, index: int, cfg: JobConfig, traffic: Traffic,
-                 children: list[str] | None = None, readers: list[str] | None = None, log: Log | None = None
-                 ) -> None:
+                 children: list[str] | None = None, readers: list[str] | None = None, log: Log | None = None,
+                 host: int | None = None, state: ShardState | None = None,
+                 recovery: dict[str, float] | None = None) -> None:
         self.store, self.index, self.cfg, self.traffic = store, index, cfg, traffic
-        self.me = f"server {index}"
+        self.host = index if host is None else host
+        # Links are made between processes: a shard taken over is told apart by its tag.
+        self.endpoint = f"server {self.host}"
+        self.tag = "" if self.host == index else f"shard {index}"
+        self.me = self.endpoint if self.host == index else f"server {self.host} (shard {index})"
         self.servers = max(1, cfg.cluster.servers)
         self.names = list(children) if children is not None else [f"worker {w}" for w in range(cfg.cluster.workers)]
         self.tree = children is not None
@@ -243,14 +268,34 @@ class ParameterServer:
         self._stop = threading.Event()
         from plexus.ps.readers import ShardReaders  # here: readers.py imports the client, which imports us
         self.readers = ShardReaders(self, readers or [])
+        # --kill server:s@step=N: this process dies once its own shard reaches version N.
+        self.kill = Emulator(cfg.cluster, "server", index) if self.host == index else None
+        self.ledger = 0                        # --ledger: the sum of the codes applied
+        self.ledger_seq: dict[int, int] = {}   # worker -> highest clock whose code was applied
+        self.duplicates = 0                    # codes applied twice (must stay 0)
+        self.resent = 0                        # pushes that came again after a takeover, already applied
+        self.changes = 0                       # state changes, for the replicator
+        self.recovery = dict(recovery) if recovery is not None else None
+        self.replicator: Replicator | None = None
+        k = s.replication
+        if k:
+            replicas = [q for q in successors(index, self.servers, k)
+                        if q != self.host and not store.check([lost_key(f"server {q}")])]
+            self.replicator = Replicator(store, self.host, index, replicas, cfg, traffic, self.cond,
+                                         self._snapshot, lambda: self.changes)
+        if state is not None:
+            self._restore(state)
 
     # --- the process's main loop ------------------------------------------------------
 
     def serve(self) -> dict[str, Any]:
         """Serve until the job has drained and every link is shut; returns the final record."""
         monitor = threading.Thread(target=self._monitor, name=f"{self.me} monitor", daemon=True)
-        for w in range(self.workers):
-            self._start_link(w)
+        for w, peer in sorted(self.peers.items()):
+            if peer.state in (EXPECTED, ACTIVE, FINISHED):
+                self._start_link(w)
+        if self.replicator is not None:
+            self.replicator.start()
         monitor.start()
         self.readers.start()
         published = False
@@ -274,6 +319,8 @@ class ParameterServer:
                     break
         finally:
             self._stop.set()
+        if self.replicator is not None:
+            self.replicator.finish(self.timeout)
         monitor.join(timeout=5 * self.interval + 5)
         # Let the threads of lost workers finish closing their links: a thread still inside a
         # gloo or store call while the interpreter tears down aborts the process ("terminate
@@ -312,7 +359,31 @@ class ParameterServer:
                 "joined": {str(w): v for w, v in self.joined.items()}, "protocol_errors": self.protocol_errors,
                 "bytes_sent": self.traffic.bytes_sent, "bytes_recv": self.traffic.bytes_recv,
                 "traffic": self.traffic.snapshot(), "evaluator": self.evaluator,
+                "host": self.host, "resent_pushes": self.resent,
+                **self._replication_record(), **self._ledger_record(),
             }
+
+    def _replication_record(self) -> dict[str, Any]:
+        """Under the lock: the replicas, what replication sent, and the takeover's times."""
+        out: dict[str, Any] = {}
+        if self.replicator is not None:
+            out["replication"] = {"replicas": sorted(self.replicator.live), "bytes_sent": self.replicator.bytes_sent,
+                                  "messages": self.replicator.messages,
+                                  "lost_replicas": {str(q): why for q, why in sorted(self.replicator.lost.items())}}
+        if self.recovery is not None:
+            out["recovery"] = dict(self.recovery)
+            if self.store.check(["train/t0"]):  # seconds into training, as metrics.jsonl counts time
+                out["recovery"]["detected_at"] = self.recovery["detected"] - float(self.store.get("train/t0").decode())
+        return out
+
+    def _ledger_record(self) -> dict[str, Any]:
+        """``--ledger``: the sum applied, against what the workers sent and had acknowledged."""
+        if not self.cfg.strategy.ledger:
+            return {}
+        workers = sorted(self.peers)
+        sent = sum(self.store.add(KEYS.ledger_sent(w), 0) for w in workers)
+        acked = sum(self.store.add(KEYS.ledger_acked(self.index, w), 0) for w in workers)
+        return {"ledger": {"final": self.ledger, "sent": sent, "acked": acked, "duplicates": self.duplicates}}
 
     # --- membership ---------------------------------------------------------------------
 
@@ -327,7 +398,7 @@ class ParameterServer:
         Uses its own store connection: a blocking store call in another thread must not
         hold up the heartbeats."""
         store = self.watch.attach(self.store.clone())
-        beat_key = KEYS.heartbeat("server", self.index)
+        beat_key = KEYS.heartbeat("server", self.host)
         known_joins = 0
         while not self._stop.is_set():
             store.add(beat_key, 1)
@@ -388,7 +459,9 @@ class ParameterServer:
                     logger.warning("%s: could not announce the loss of %s: %s", self.me, self.names[worker], exc)
 
     def _check_drained(self) -> None:
-        """Under the lock: no worker live or expected and nothing pending means drained."""
+        """Under the lock, after a worker's state changed (which the replicas must learn):
+        no worker live or expected and nothing pending means drained."""
+        self.changes += 1
         if self.drained or self.gate.pending():
             return
         if any(p.state in (EXPECTED, ACTIVE) for p in self.peers.values()):
@@ -403,8 +476,8 @@ class ParameterServer:
     def _serve_worker(self, worker: int) -> None:
         peer_name = self.names[worker]
         try:
-            link = Link(self.store.clone(), self.me, peer_name, traffic=self.traffic, timeout=self.timeout,
-                        net=self.cfg.cluster.net, transport=self.cfg.cluster.transport,
+            link = Link(self.store.clone(), self.endpoint, peer_name, traffic=self.traffic, timeout=self.timeout,
+                        net=self.cfg.cluster.net, transport=self.cfg.cluster.transport, tag=self.tag,
                         cancelled=lambda: self._stop.is_set() or self.peers[worker].state == LOST)
         except CommError as exc:
             self._lose(worker, f"its link could not be opened: {exc}")
@@ -549,6 +622,8 @@ class ParameterServer:
                     peer.base = self.gate.join(worker)
                     self.joined[worker] = self.version
                 peer.state = ACTIVE
+                self.changes += 1
+                self.cond.notify_all()
         if refused:
             why = "the job has finished" if self.drained else f"--consistency {self.cfg.strategy.consistency} " \
                                                              f"admits no workers after the start"
@@ -569,14 +644,64 @@ class ParameterServer:
                 return
             if h.total < 0 or h.rows < 0 or (h.rows and h.width < 1):
                 raise ProtocolError(f"{peer} sent an impossible layout in {h.describe()}", peer=peer)
-            start, stop = RangeSharding(h.total, self.servers).range(self.index)
-            keys = HashRing(self.servers, VNODES).keys_of(self.index, h.rows) if h.rows else self.owned_keys
-            dtype = code_dtype(h.dtype)
-            self.spec = ShardSpec(index=self.index, start=start, stop=stop, dtype=dtype, total=h.total, rows=h.rows,
-                                  width=h.width if h.rows else 0, owned_rows=len(keys))
-            self.owned_keys = keys
-            self.params = torch.zeros(stop - start, dtype=dtype)
-            self.table = torch.zeros(len(keys), self.spec.width, dtype=dtype)
+            if h.rows and self.replicator is not None:
+                raise ProtocolError(f"{peer} sent a sparse table, which --replication does not replicate",
+                                    peer=peer)
+            self._set_layout(h.total, h.rows, h.width, code_dtype(h.dtype))
+
+    def _set_layout(self, total: int, rows: int, width: int, dtype: torch.dtype) -> None:
+        """Under the lock: this shard's range of a flat model of ``total`` elements."""
+        start, stop = RangeSharding(total, self.servers).range(self.index)
+        keys = HashRing(self.servers, VNODES).keys_of(self.index, rows) if rows else self.owned_keys
+        self.spec = ShardSpec(index=self.index, start=start, stop=stop, dtype=dtype, total=total, rows=rows,
+                              width=width if rows else 0, owned_rows=len(keys))
+        self.owned_keys = keys
+        self.params = torch.zeros(stop - start, dtype=dtype)
+        self.table = torch.zeros(len(keys), self.spec.width, dtype=dtype)
+
+    # --- replication ------------------------------------------------------------------------
+
+    def _snapshot(self) -> tuple[ShardState, int] | None:
+        """Under the lock: the shard's state for its replicas (None before the first INIT)."""
+        if self.optimizer is None:
+            return None
+        rows = [WorkerRow(w, p.state, p.base, self.gate.clocks.get(w, -1), p.applied, p.acked, p.pushed,
+                          self.gradients.get(w, 0), p.staleness, self.ledger_seq.get(w, -1))
+                for w, p in sorted(self.peers.items())]
+        state = ShardState(self.index, self.version, self.spec.total, self.params.clone(),
+                           [t.clone() for t in self.optimizer.state()], self.optimizer.steps, rows,
+                           list(self.histogram.counts), self.ledger, self.duplicates)
+        return state, self.changes
+
+    def _restore(self, state: ShardState) -> None:
+        """Start from a replicated ``state``: the weights, the optimizer, and every worker's
+        clock, so that the gate expects from each worker the push it sends next."""
+        with self.cond:
+            self._set_layout(state.total, 0, 0, state.params.dtype)
+            self.params.copy_(state.params)
+            self.optimizer = make_server_optimizer(self.cfg.optim, self.spec.count, 0, 0, self.spec.dtype)
+            for mine, theirs in zip(self.optimizer.state(), state.optimizer):
+                mine.copy_(theirs)
+            self.optimizer.steps = state.optimizer_steps
+            self.version = state.version
+            self.histogram = StalenessHistogram(state.histogram)
+            self.ledger, self.duplicates = state.ledger, state.duplicates
+            self.gate = make_consistency(self.cfg.strategy.consistency, self.workers, self.cfg.strategy.staleness,
+                                         self.cfg.strategy.softsync)
+            self.peers = {}
+            now = time.monotonic()
+            for row in state.workers:
+                while len(self.names) <= row.rank:
+                    self.names.append(f"worker {len(self.names)}")
+                self.peers[row.rank] = _Worker(row.state, now, row.base, applied=row.applied, acked=row.acked,
+                                               pushed=row.pushed, staleness=row.staleness)
+                self.gradients[row.rank] = row.gradients
+                if row.ledger_seq >= 0:
+                    self.ledger_seq[row.rank] = row.ledger_seq
+                if row.state == LOST:
+                    self.lost[row.rank] = "lost before the takeover"
+            self.gate.restore({row.rank: row.clock for row in state.workers if row.clock >= 0})
+            self.changes = 1
 
     def _local_rows(self, keys: torch.Tensor, peer: str) -> torch.Tensor:
         """Local indices of ``keys`` (strictly increasing, all owned here), else ProtocolError."""
@@ -621,6 +746,12 @@ class ParameterServer:
             members = self._members(worker, h, payloads[-1] if h.members else None)
             push = Push(worker, peer.base + h.clock, h.version, _Payload(dense, rows, grads, members),
                         weight=len(members))
+            expected = self.gate.clocks.get(worker)
+            if self.replicator is not None and expected is not None and push.clock < expected:
+                # Sent again after a takeover: the old primary applied it and its replicas
+                # hold it, but its acknowledgement was lost with the primary.
+                self.resent += 1
+                return
             late = self.gate.late.get(worker, 0)
             try:
                 groups = self.gate.push(push)
@@ -640,6 +771,8 @@ class ParameterServer:
 
     def _apply(self, groups: list[list[Push]]) -> None:
         """Under the lock: average each group in rank order and apply it as one update."""
+        if groups:
+            self.changes += 1
         for group in groups:
             # Staleness per worker gradient (a tree push holds several).
             stale = [self.version - v for p in group for _, v in p.payload.members]
@@ -647,6 +780,8 @@ class ParameterServer:
             divisor = self.gate.divisor(group)
             dense = [p.payload.dense for p in group if p.payload.dense is not None]
             if dense and self.optimizer is not None:
+                if self.cfg.strategy.ledger:
+                    dense = self._take_ledger(group)
                 if len(dense) == 1 and divisor == 1:
                     grad = dense[0]
                 else:  # the sum in rank order, divided: the mean of a flat PS's pushes
@@ -677,6 +812,27 @@ class ParameterServer:
                 peer.applied += 1
                 peer.staleness = self.version - max(v for _, v in p.payload.members)
             self.version += 1
+            if self.recovery is not None and "first_update" not in self.recovery:
+                self.recovery["first_update"] = time.time()
+            if self.kill is not None:
+                self.kill.at_step(self.version)
+
+    def _take_ledger(self, group: list[Push]) -> list[torch.Tensor]:
+        """``--ledger``: add the code each push carries in the shard's first element to the
+        ledger, and return the dense gradients with that element zeroed (copies: a payload
+        may be a reused receive buffer or a shared-memory ring)."""
+        out = []
+        for p in group:
+            dense = p.payload.dense.clone()
+            code = int(dense[0])
+            worker, seq = divmod(code, LEDGER_BASE)
+            if seq <= self.ledger_seq.get(worker, -1):
+                self.duplicates += 1
+            self.ledger_seq[worker] = max(seq, self.ledger_seq.get(worker, -1))
+            self.ledger += code
+            dense[0] = 0
+            out.append(dense)
+        return out
 
     def _retire(self, buffer: torch.Tensor) -> None:
         """Under the lock: ``buffer`` is no longer current; reuse it once no reply uses it."""
@@ -725,6 +881,10 @@ class ParameterServer:
                            and self.spec.count else 0, keys=len(rows) if rows is not None and status == Status.OK
                            else 0, width=h.width, dtype=h.dtype, staleness=peer.staleness + 1 if known else 0,
                            status=status)
+            if self.replicator is not None and status == Status.OK:
+                # Nothing is acknowledged, and no weights are shown, that a takeover could
+                # lose (``sending`` is held, so its buffer stays this version's meanwhile).
+                self.replicator.wait(reply.version, time.monotonic() + self.timeout)
         try:
             works = [link.isend(encode(reply), link.peer_index)]
             works += [link.isend(p, link.peer_index) for p in payloads]

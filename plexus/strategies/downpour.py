@@ -67,7 +67,8 @@ from plexus.ps.client import Heartbeat, PSClient, Reply
 from plexus.ps.heartbeat import heartbeat_summary
 from plexus.ps.consistency import is_synchronous
 from plexus.ps.protocol import Op
-from plexus.ps.server import KEYS, ParameterServer
+from plexus.ps.server import KEYS, LEDGER_BASE, ParameterServer
+from plexus.ps.server_group import ServerGroup
 from plexus.ps.staleness import StalenessHistogram
 from plexus.strategies.base import Context, LossFn, RoleContext, StepStats, Strategy
 
@@ -131,6 +132,20 @@ class DownpourStrategy(Strategy):
             raise ConfigError(f"softsync must not exceed workers ({c.workers}), got {s.softsync}: an update that "
                               f"waits for more pushes than there are workers never comes; pass --softsync "
                               f"{c.workers} or less (0 means all workers)")
+        if s.replication:
+            servers = num_servers(cfg)
+            if s.replication >= servers:
+                raise ConfigError(f"replication must be less than servers ({servers}), got {s.replication}: each "
+                                  f"shard is copied to its k successors on the ring of servers, other than "
+                                  f"itself; pass --servers {s.replication + 1} or more, or --replication "
+                                  f"{servers - 1}")
+            if s.backup_workers:
+                raise ConfigError("replication does not combine with backup_workers yet: a takeover rebuilds the "
+                                  "gate from the workers' clocks, and a backup step's late gradients have none; "
+                                  "drop --backup-workers or --replication")
+        if s.ledger and c.workers > 16:
+            raise ConfigError(f"ledger needs 16 workers or fewer, got {c.workers}: its codes worker x 10^6 + "
+                              f"clock must stay integers that float32 holds exactly (below 2^24)")
         if c.peer_timeout >= c.timeout:
             raise ConfigError(f"peer_timeout must be shorter than timeout ({c.timeout:g} s), got "
                               f"{c.peer_timeout:g}: servers must drop a silent worker before the others' waits "
@@ -142,7 +157,8 @@ class DownpourStrategy(Strategy):
 
     @classmethod
     def tolerates_loss(cls, cfg: JobConfig, role: str, rank: int) -> bool:
-        return role == "worker"
+        """Workers under every consistency; servers too once their shards have replicas."""
+        return role == "worker" or (role == "server" and cfg.strategy.replication > 0)
 
     @classmethod
     def shares_budget(cls, cfg: JobConfig) -> bool:
@@ -158,9 +174,13 @@ class DownpourStrategy(Strategy):
             # What a worker that joins later needs: the job and where it writes.
             store_set_json(ctx.store, _JOB_KEY, {"config": ctx.cfg.to_dict(),
                                                  "run_dir": str(ctx.run_dir) if ctx.run_dir else None})
+        replicated = ctx.cfg.strategy.replication > 0
+        group = ServerGroup(ctx.store, rank, ctx.cfg, ctx.traffic, ctx.log.log) if replicated else None
         record = ParameterServer(ctx.store, rank, ctx.cfg, ctx.traffic, cls.root_children(ctx.cfg),
                                  readers=cls.root_readers(ctx.cfg), log=ctx.log.log).serve()
         store_set_json(ctx.store, f"stats/server/{rank}", record)
+        if group is not None:
+            group.finish()
         if rank == 0:
             servers = num_servers(ctx.cfg)
             keys = [f"stats/server/{s}" for s in range(servers)]
@@ -238,6 +258,10 @@ class DownpourStrategy(Strategy):
                 out.update(steps=steps)
                 samples = steps * cfg.run.batch_size
             out.update(samples=samples, wall_seconds=wall, samples_per_second=samples / wall if wall else None)
+        if s.replication:
+            out.update(_replication_summary(cfg, records))
+        if s.ledger:
+            out.update(_ledger_summary(servers))
         if s.backup_workers:
             late = {str(w): max(rec.get("late", {}).get(str(w), 0) for rec in servers.values()) for w in workers}
             out.update(backup_workers=s.backup_workers, gradients_per_step=cfg.cluster.workers - s.backup_workers,
@@ -314,7 +338,7 @@ class DownpourStrategy(Strategy):
                                    log=ctx.log.log if ctx.log is not None else None)
         self.client = PSClient(ctx.store, self.rank, num_servers(cfg), numel=numel, dtype=dtype, rows=rows,
                                width=width, traffic=ctx.traffic, timeout=cfg.cluster.timeout, net=cfg.cluster.net,
-                               transport=cfg.cluster.transport,
+                               transport=cfg.cluster.transport, failover=s.replication > 0,
                                **self.uplink())
         try:
             self.client.connect()
@@ -444,6 +468,7 @@ class DownpourStrategy(Strategy):
         grad, keys, rows = self.gflat, None, None
         if self.push_every > 1:
             grad = self.acc_dense.div_(self.acc_count)
+        code = self._ledger_code(grad) if self.cfg.strategy.ledger else None
         if self.table is not None:
             if len(self.acc_rows) == 1:
                 keys, rows = self.acc_rows[0]
@@ -458,12 +483,26 @@ class DownpourStrategy(Strategy):
             self.fresh = True
         else:
             reply = self.client.push(grad, self.clock, self.acc_versions)
+        if code is not None:
+            for s in range(self.client.servers):
+                self.ctx.store.add(KEYS.ledger_acked(s, self.rank), code)
         self.clock += 1
         self.acc_count = 0
         if self.acc_dense is not None:
             self.acc_dense.zero_()
         self.acc_rows = []
         return reply
+
+    def _ledger_code(self, grad: torch.Tensor) -> int:
+        """``--ledger``: write this push's code (rank x 10^6 + clock) into the first element
+        of every shard's range, and count it as sent before it leaves."""
+        code = self.rank * LEDGER_BASE + self.clock
+        for s in range(self.client.servers):
+            start, stop = self.client.sharding.range(s)
+            if stop > start:
+                grad[start] = code
+        self.ctx.store.add(KEYS.ledger_sent(self.rank), code)
+        return code
 
     def _pull_all(self) -> None:
         """Fetch every dense element and every row of the table."""
@@ -518,6 +557,44 @@ class DownpourStrategy(Strategy):
         self.heartbeat.stop(self.cfg.cluster.timeout)
         if not self.finished:
             self.client.close()
+
+
+def _replication_summary(cfg: JobConfig, records: dict[str, Any]) -> dict[str, Any]:
+    """The server group's faults: servers lost, each takeover's times (seconds from the
+    death's detection), and the bytes replication sent (apart from the workers' traffic)."""
+    servers = records.get("server", {})
+    recoveries = []
+    for shard, rec in sorted(servers.items()):
+        times = rec.get("recovery")
+        if not times:
+            continue
+        detected = times["detected"]
+        recoveries.append({"shard": int(shard), "lost": f"server {times['from']}", "server": rec["host"],
+                           "taken_over_by": f"server {rec['host']}", "detected_at": times.get("detected_at"),
+                           "takeover_seconds": times["takeover"] - detected,
+                           "first_update_seconds": times["first_update"] - detected if "first_update" in times
+                           else None})
+    return {"replication": cfg.strategy.replication,
+            "lost_servers": sorted({int(s) for s in records.get("lost", {}).get("server", [])}),
+            "recoveries": recoveries,
+            "resent_pushes": sum(rec.get("resent_pushes", 0) for rec in servers.values()),
+            "replication_bytes": sum(rec.get("replication", {}).get("bytes_sent", 0) for rec in servers.values())}
+
+
+def _ledger_summary(servers: dict[Any, dict[str, Any]]) -> dict[str, Any]:
+    """``--ledger``'s check per shard: acknowledged <= applied <= sent, nothing applied
+    twice; and the one-line verdict."""
+    shards = {str(s): rec["ledger"] for s, rec in sorted(servers.items()) if "ledger" in rec}
+    bad = [s for s, x in shards.items() if not (x["acked"] <= x["final"] <= x["sent"]) or x["duplicates"]]
+    lost = sum(x["sent"] - x["final"] for x in shards.values())
+    if bad:
+        verdict = "ledger FAILED on shard(s) " + ", ".join(
+            f"{s} (acked {shards[s]['acked']}, applied {shards[s]['final']}, sent {shards[s]['sent']}, "
+            f"{shards[s]['duplicates']} twice)" for s in bad)
+    else:
+        verdict = (f"ledger OK: {len(shards)} shard(s), acknowledged <= applied <= sent on each, none applied "
+                   f"twice; unacknowledged pushes not applied: sum {lost}")
+    return {"ledger": shards, "ledger_verdict": verdict}
 
 
 def _merge_rows(parts: list[tuple[torch.Tensor, torch.Tensor]], width: int, dtype: torch.dtype

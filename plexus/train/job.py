@@ -150,9 +150,13 @@ def run_local(cfg: JobConfig, poll: Callable[[Path, StartupProbe], None] | None 
         signals: list[int] = []  # the launcher's own SIGINT/SIGTERM: the user stopped the job
         phases.done("prepare")
 
+        failures: list[str] = []   # processes whose failure the job cannot survive, in order
+
         def on_exit(spec: RoleSpec, code: int) -> None:
             if code != 0:
                 lost.setdefault(spec.role, []).append(spec.rank)
+                if not cls.tolerates_loss(cfg, spec.role, spec.rank):
+                    failures.append(f"{spec.role} {spec.rank}")
 
         # The job's own timeouts end it; this outer limit only catches what they cannot.
         limit = None if cfg.run.time_limit is None else cfg.run.time_limit + 10 * cfg.cluster.timeout
@@ -174,7 +178,8 @@ def run_local(cfg: JobConfig, poll: Callable[[Path, StartupProbe], None] | None 
         raise JobInterrupted(f"interrupted by {name}{done}; what was measured so far is in "
                              f"{run_dir / 'summary.json'} (status interrupted)", signals[0])
     if status != 0:
-        failed = JobFailed(f"the job failed (status {status}); see the messages above", exit_code=status)
+        what = f"{failures[0]} exited with status {status}" if failures else f"status {status}"
+        failed = JobFailed(f"the job failed ({what}); see the messages above", exit_code=status)
     elif len(lost.get("worker", [])) == cfg.cluster.workers:
         failed = JobFailed(f"every worker was lost ({cfg.cluster.workers} of {cfg.cluster.workers}); "
                            f"nothing is left to finish the job", exit_code=1)

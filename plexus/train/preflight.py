@@ -50,8 +50,9 @@ def _spec_text(spec: KillSpec | SlowSpec) -> str:
 
 def check_roles(cfg: JobConfig) -> None:
     """``--kill`` and ``--slow`` name processes this strategy starts, and ones that obey
-    them: workers (every strategy), aggregators (tree-ps, killed after N forwarded pushes)
-    and easgd's centre server (slowed; it counts no steps to die at)."""
+    them: workers (every strategy), aggregators (tree-ps, killed after N forwarded pushes),
+    ps servers (killed once their shard reaches version N) and easgd's centre server
+    (slowed; it counts no steps to die at)."""
     from plexus.strategies import strategy_class
     strategy = cfg.strategy.strategy
     roles = dict(strategy_class(strategy).extra_roles(cfg))
@@ -70,9 +71,10 @@ def check_roles(cfg: JobConfig) -> None:
         if spec.rank >= count:
             raise ConfigError(f"{text}: strategy {strategy} has {count} {spec.role}(s) here, ranks 0 to {count - 1}: "
                               f"pick a rank below {count}")
-        if isinstance(spec, KillSpec) and spec.role == "server":
-            raise ConfigError(f"{text}: servers count no steps, so a planned kill would never fire: kill a worker "
-                              f"(any strategy) or an aggregator (tree-ps), e.g. --kill worker:0@step={spec.step}")
+        if isinstance(spec, KillSpec) and spec.role == "server" and strategy != "ps":
+            raise ConfigError(f"{text}: {strategy}'s servers count no steps, so a planned kill would never fire: "
+                              f"kill a worker (any strategy), an aggregator (tree-ps) or a ps server (killed once "
+                              f"its shard reaches that version), e.g. --kill worker:0@step={spec.step}")
         if isinstance(spec, SlowSpec) and not (spec.role == "server" and strategy == "easgd"):
             raise ConfigError(f"{text}: only workers and easgd's centre server emulate slowness; a {strategy} "
                               f"{spec.role} would run at full speed: slow a worker instead")
@@ -114,6 +116,13 @@ def check_schedule(cfg: JobConfig, n_train: int) -> None:
         if kill.role == "worker" and kill.step >= limit:
             raise ConfigError(f"--kill worker:{kill.rank}@step={kill.step} cannot fire: {length}: pick a step below "
                               f"{limit}, or {more.format(n=kill.step + 1)}")
+        if kill.role == "server":
+            # A shard makes at most one update per push (asp); bsp makes one per step.
+            most = limit * cfg.cluster.workers
+            if kill.step >= most:
+                raise ConfigError(f"--kill server:{kill.rank}@step={kill.step} cannot fire: its shard makes at most "
+                                  f"{most} updates in this run ({length}): pick a version below {most}, or "
+                                  f"{more.format(n=kill.step // cfg.cluster.workers + 1)}")
         if kill.role == "aggregator":
             from plexus.ps.tree import Node, Tree
             tree = Tree(cfg.cluster.workers, cfg.strategy.fanout)

@@ -1,0 +1,78 @@
+"""Faults in the server group, on this machine: each fault under each consistency model,
+with the ledger on (``--ledger``: worker w's push of clock t carries w * 10^6 + t).
+
+Per row: the outcome (``completed``, or ``failed`` with the error), the processes lost,
+the takeover's times from the death's detection (a replica sees its primary's link break),
+pushes sent again to the new primary that it already held, the ledger's verdict, and the
+final accuracy beside that of the same job with no fault.
+
+    python benchmarks/server_faults.py                 # the whole table (about 2 minutes)
+    python benchmarks/server_faults.py --only bsp
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("MPLCONFIGDIR", os.path.join(tempfile.gettempdir(), "plexus-mpl"))
+os.environ.setdefault("PLEXUS_NO_REPORT", "1")
+
+import plexus  # noqa: E402
+from plexus.errors import JobFailed  # noqa: E402
+
+BASE = dict(strategy="ps", dataset="digits", model="mlp", hidden=32, lr=0.05, batch_size=48, workers=3,
+            servers=2, steps=60, eval_every=0, log_every=100, quiet=True, timeout=30, peer_timeout=5, seed=1,
+            ledger=True)
+CONSISTENCY = {"asp": {"consistency": "asp"}, "bsp": {"consistency": "bsp"},
+               "ssp": {"consistency": "ssp", "staleness": 2}, "softsync": {"consistency": "softsync", "softsync": 2}}
+# fault: the flags that make it. Kills fire at shard version 40 (a shard makes one update
+# per push under asp and ssp, one per step under bsp) or at a worker's step 20.
+FAULTS = {
+    "none, --replication 1": {"replication": 1},
+    "server 1 killed, --replication 1": {"replication": 1, "kill": "server:1@step=40"},
+    "servers 0 and 1 killed together, --replication 2 (3 servers)": {"replication": 2, "servers": 3,
+                                                                      "kill": "server:0@step=40,server:1@step=40"},
+    "worker 2 killed, --replication 1": {"replication": 1, "kill": "worker:2@step=20"},
+    "server 1 killed, no replication": {"replication": 0, "kill": "server:1@step=40"},
+}
+
+
+def _row(out: Path, consistency: str, fault: str, calm: float | None) -> tuple[str, float | None]:
+    flags = {**BASE, **CONSISTENCY[consistency], **FAULTS[fault], "out": str(out)}
+    try:
+        s = plexus.run(flags)
+    except JobFailed as exc:
+        return f"| {consistency} | {fault} | failed: {exc} | | | | | |", None
+    lost = [f"server {r}" for r in s.get("lost_servers", [])] + [f"worker {r}" for r in s["lost_workers"]]
+    recoveries = s.get("recoveries", [])
+    takeover = ", ".join(f"shard {r['shard']}: {1000 * r['takeover_seconds']:.1f} / "
+                         f"{1000 * r['first_update_seconds']:.0f} ms" for r in recoveries) or "-"
+    acc = s["final_test_accuracy"]
+    same = f"{100 * acc:.2f} % ({100 * calm:.2f} %)" if calm is not None else f"{100 * acc:.2f} %"
+    verdict = s["ledger_verdict"].split(":")[0]
+    return (f"| {consistency} | {fault} | {s['status']} | {', '.join(lost) or '-'} | {takeover} | "
+            f"{s.get('resent_pushes', 0)} | {verdict} | {same} |", acc)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=sorted(CONSISTENCY), help="one consistency model")
+    args = parser.parse_args()
+    print("| consistency | fault | outcome | lost | takeover / first update after detection | pushes sent "
+          "again | ledger | final accuracy (no fault) |")
+    print("|---|---|---|---|---|---:|---|---|")
+    with tempfile.TemporaryDirectory() as scratch:
+        for consistency in [args.only] if args.only else list(CONSISTENCY):
+            calm = None
+            for i, fault in enumerate(FAULTS):
+                line, acc = _row(Path(scratch) / f"{consistency}-{i}", consistency, fault, calm)
+                if i == 0:
+                    calm = acc
+                print(line, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
