@@ -69,6 +69,8 @@ def check(cfg: JobConfig, spec: SimSpec) -> None:
         ("--kill (use --fail ROLE:K@t=SECONDS)", bool(cfg.cluster.kill)),
         ("--dtype float64", cfg.model.dtype == "float64"),
         ("--model logreg under ps (its sparse table)", strategy in ("ps", "tree-ps") and cfg.model.model == "logreg"),
+        (f"--replication {s.replication} (a dead simulated server ends the job)", s.replication > 0),
+        ("--ledger", s.ledger),
     ) if used]
     if unmodelled:
         raise ConfigError(f"plexus simulate does not model {', '.join(unmodelled)} yet: drop it, or train it for real "
