@@ -118,3 +118,14 @@ def test_killed_server_without_replicas_ends_the_job_naming_it(tmp_path):
     with pytest.raises(JobFailed):
         _run(tmp_path, "bare", consistency="asp", replication=0, kill="server:1@step=30")
     assert '"status": "failed"' in (tmp_path / "bare" / "summary.json").read_text()
+
+
+@pytest.mark.parametrize("name, n", [("bsp", 0), ("softsync", 2)])
+def test_a_push_the_gate_holds_is_not_counted_as_applied(name, n):
+    """A replica started from a state taken while a push waits in the gate must expect that
+    push again (it is not in the state), not acknowledge it as a duplicate."""
+    gate = make_consistency(name, 3, softsync=n)
+    for w in range(3):
+        gate.join(w, 0)
+    gate.push(_push(0, 0))
+    assert gate.clocks[0] == 1 and gate.applied_clock(0) == 0 and gate.applied_clock(1) == 0

@@ -123,6 +123,15 @@ class Consistency(ABC):
         """Pushes received but not yet applied."""
         return 0
 
+    def applied_clock(self, worker: int) -> int:
+        """``worker``'s clock counting only its pushes applied so far (its live clock less
+        those the gate still holds): where a replica's gate must start it."""
+        return self.clocks[worker] - sum(1 for p in self._held() if p.worker == worker)
+
+    def _held(self) -> list[Push[P]]:
+        """The pushes received and not yet applied."""
+        return []
+
     def divisor(self, group: list[Push[P]]) -> int:
         """What the sum of a group's payloads is divided by to make its update: the
         gradients it holds (their mean)."""
@@ -230,6 +239,9 @@ class BSP(Consistency):
     def pending(self) -> int:
         return sum(len(r) for r in self.rounds.values())
 
+    def _held(self) -> list[Push[P]]:
+        return [p for r in self.rounds.values() for p in r]
+
 
 class BackupBSP(Consistency):
     """BSP with backup workers (Chen et al. 2016): step r is the average of the first
@@ -286,6 +298,9 @@ class BackupBSP(Consistency):
 
     def pending(self) -> int:
         return len(self.round)
+
+    def _held(self) -> list[Push[P]]:
+        return list(self.round)
 
 
 class SoftSync(Consistency):
@@ -350,6 +365,9 @@ class SoftSync(Consistency):
 
     def pending(self) -> int:
         return len(self.queue)
+
+    def _held(self) -> list[Push[P]]:
+        return list(self.queue)
 
 
 def make_consistency(name: str, workers: int, staleness: int = 0, softsync: int = 0, backups: int = 0

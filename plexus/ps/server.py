@@ -665,7 +665,10 @@ class ParameterServer:
         """Under the lock: the shard's state for its replicas (None before the first INIT)."""
         if self.optimizer is None:
             return None
-        rows = [WorkerRow(w, p.state, p.base, self.gate.clocks.get(w, -1), p.applied, p.acked, p.pushed,
+        # A push the gate still holds is not in this state: the worker sends it again to
+        # whoever takes over, which must apply it, so its clock counts applied pushes only.
+        rows = [WorkerRow(w, p.state, p.base, self.gate.applied_clock(w) if w in self.gate.clocks else -1,
+                          p.applied, p.acked, p.pushed,
                           self.gradients.get(w, 0), p.staleness, self.ledger_seq.get(w, -1))
                 for w, p in sorted(self.peers.items())]
         state = ShardState(self.index, self.version, self.spec.total, self.params.clone(),
