@@ -3,6 +3,8 @@ with the ledger on (``--ledger``: worker w's push of clock t carries w * 10^6 + 
 
 Per row: the outcome (``completed``, or ``failed`` with the error), the processes lost,
 the takeover's times from the death's detection (a replica sees its primary's link break),
+a drain's two phases (copy while training goes on, then the switch during which the
+shard applies nothing),
 pushes sent again to the new primary that it already held, the ledger's verdict, and the
 final accuracy beside that of the same job with no fault.
 
@@ -36,6 +38,8 @@ FAULTS = {
     "servers 0 and 1 killed together, --replication 2 (3 servers)": {"replication": 2, "servers": 3,
                                                                       "kill": "server:0@step=40,server:1@step=40"},
     "worker 2 killed, --replication 1": {"replication": 1, "kill": "worker:2@step=20"},
+    "server 1 drained (planned), --replication 1": {"replication": 1, "drain": "server:1@step=40"},
+    "server 1 drained (planned), no replication": {"replication": 0, "drain": "server:1@step=40"},
     "server 1 killed, no replication": {"replication": 0, "kill": "server:1@step=40"},
 }
 
@@ -45,15 +49,17 @@ def _row(out: Path, consistency: str, fault: str, calm: float | None) -> tuple[s
     try:
         s = plexus.run(flags)
     except JobFailed as exc:
-        return f"| {consistency} | {fault} | failed: {exc} | | | | | |", None
+        return f"| {consistency} | {fault} | failed: {exc} | | | | | | |", None
     lost = [f"server {r}" for r in s.get("lost_servers", [])] + [f"worker {r}" for r in s["lost_workers"]]
     recoveries = s.get("recoveries", [])
     takeover = ", ".join(f"shard {r['shard']}: {1000 * r['takeover_seconds']:.1f} / "
                          f"{1000 * r['first_update_seconds']:.0f} ms" for r in recoveries) or "-"
+    moves = ", ".join(f"shard {m['shard']} to server {m['to']}: {1000 * m['copy_seconds']:.0f} / "
+                      f"{1000 * m['switch_seconds']:.0f} ms" for m in s.get("migrations", [])) or "-"
     acc = s["final_test_accuracy"]
     same = f"{100 * acc:.2f} % ({100 * calm:.2f} %)" if calm is not None else f"{100 * acc:.2f} %"
     verdict = s["ledger_verdict"].split(":")[0]
-    return (f"| {consistency} | {fault} | {s['status']} | {', '.join(lost) or '-'} | {takeover} | "
+    return (f"| {consistency} | {fault} | {s['status']} | {', '.join(lost) or '-'} | {takeover} | {moves} | "
             f"{s.get('resent_pushes', 0)} | {verdict} | {same} |", acc)
 
 
@@ -61,9 +67,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=sorted(CONSISTENCY), help="one consistency model")
     args = parser.parse_args()
-    print("| consistency | fault | outcome | lost | takeover / first update after detection | pushes sent "
-          "again | ledger | final accuracy (no fault) |")
-    print("|---|---|---|---|---|---:|---|---|")
+    print("| consistency | fault | outcome | lost | takeover / first update after detection | drain: copy / "
+          "switch | pushes sent again | ledger | final accuracy (no fault) |")
+    print("|---|---|---|---|---|---|---:|---|---|")
     with tempfile.TemporaryDirectory() as scratch:
         for consistency in [args.only] if args.only else list(CONSISTENCY):
             calm = None

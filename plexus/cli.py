@@ -4,6 +4,8 @@
     plexus compare SPEC... [flags]    run several strategies on the same model, data and seed
     plexus report  DIR... [--out D]   plots and index.html from run directories
     plexus worker  --join HOST:PORT   one more worker for a running ps job
+    plexus server  --join HOST:PORT   one more server (a spare) for a running ps job
+    plexus drain   HOST:PORT --server S   move server S's shards away, training going on
     plexus bench   ddp|collectives    benchmarks that print tables
 
 Errors print one line on stderr: status 2 for usage and configuration, non-zero
@@ -62,6 +64,8 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(g, "backup-workers", type=int, help="bsp: b of the --workers processes are backups; each step uses the first workers - b gradients")
     _flag(g, "replication", type=int,
           help="keep each shard on its k successor servers; one takes over when the primary dies (default 0)")
+    _flag(g, "drain", help="move a server's shard away while training goes on: server:S@step=N (its shard's "
+                           "version)")
     _flag(g, "ledger", action="store_const", const=True,
           help="test mode: pushes carry known integers and the summary checks that none was lost or applied twice")
     g = parser.add_argument_group("Sandblaster L-BFGS (sandblaster)")
@@ -212,6 +216,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds any blocking operation of this worker waits (default: 60 until it has "
                              "joined, then the job's --timeout)")
     worker.add_argument("--debug", action="store_true", help="verbose logs and tracebacks")
+    server = sub.add_parser("server", help="join a running ps job as one more server: a spare that drains hand "
+                                           "their shards to (token from PLEXUS_TOKEN)")
+    server.add_argument("--join", required=True, metavar="HOST:PORT", help="the job's rendezvous store")
+    server.add_argument("--timeout", type=float, default=None, help="seconds to wait for the job (default 60)")
+    server.add_argument("--debug", action="store_true", help="verbose logs and tracebacks")
+    drain = sub.add_parser("drain", help="move a server's shards of a running ps job to a spare or to the next "
+                                         "server, with training going on (token from PLEXUS_TOKEN)")
+    drain.add_argument("join", metavar="HOST:PORT", help="the job's rendezvous store")
+    drain.add_argument("--server", type=int, required=True, help="the server to drain")
+    drain.add_argument("--timeout", type=float, default=None, help="seconds to wait for the move (default 60)")
+    drain.add_argument("--debug", action="store_true", help="verbose logs and tracebacks")
     bench = sub.add_parser("bench", help="benchmarks that print tables")
     which = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
     from plexus.bench import BENCHMARKS
@@ -681,13 +696,93 @@ def _print_judging(groups: Sequence[tuple[str, Sequence[Path]]], errors: dict[Pa
     return judged
 
 
+def _job_store(args: argparse.Namespace, who: str):
+    """The store of the running job at ``args.join`` (HOST:PORT), reached with the token in
+    PLEXUS_TOKEN within ``args.timeout`` (60 s when not given); returns (store, host, port, token)."""
+    from plexus.cluster.rendezvous import ProcessInfo, await_listener, connect_store
+    from plexus.errors import ConfigError
+    if args.timeout is not None and not args.timeout > 0:
+        raise ConfigError(f"--timeout must be > 0 seconds, got {args.timeout:g}")
+    timeout = 60.0 if args.timeout is None else args.timeout
+    host, _, port = args.join.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--join must be HOST:PORT, got {args.join!r}: pass the address of the job's store, "
+                          f"e.g. --join 127.0.0.1:29500")
+    token = os.environ.get("PLEXUS_TOKEN")
+    if not token:
+        raise ConfigError(f"PLEXUS_TOKEN is not set: {who} needs the job's token; export the PLEXUS_TOKEN the job "
+                          f"was started with")
+    # Nothing may wait past --timeout, nor print c10d's retries: check that a store listens.
+    await_listener(host, int(port), timeout, "start the ps job first, and pass the host and --port it was "
+                   "started with (e.g. plexus train --strategy ps --port 29500)")
+    probe = ProcessInfo(role="worker", rank=-1, world_size=0, master_addr=host, master_port=int(port), token=token)
+    return connect_store(probe, timeout), host, int(port), token
+
+
+def _ps_job(store, address: str, timeout: float):
+    """The running ps job's configuration (ConfigError for another strategy's job)."""
+    from plexus.config import JobConfig
+    from plexus.errors import ConfigError
+    from plexus.strategies.downpour import DownpourStrategy
+    from plexus.train.job import JOB_KEY
+    if store.check([JOB_KEY]) and json.loads(store.get(JOB_KEY).decode())["strategy"] != "ps":
+        raise ConfigError(f"the job at {address} does not run --strategy ps: only a parameter server's group "
+                          f"takes servers that join or drain")
+    return JobConfig.from_dict(DownpourStrategy.job_record(store, timeout)["config"])
+
+
+def _server(args: argparse.Namespace) -> int:
+    """``plexus server --join HOST:PORT``: one more server for a running ``ps`` job. It
+    waits as a spare: a drain hands it the shards of the server that leaves (two phases:
+    copy, then switch), and it serves them until the job ends."""
+    from plexus.cluster.traffic import Traffic
+    from plexus.ps.server import KEYS
+    from plexus.ps.server_group import ServerGroup
+    store, _, _, _ = _job_store(args, "a server that joins")
+    cfg = _ps_job(store, args.join, args.timeout or 60.0)
+    if store.check([KEYS.drained(0)]):
+        from plexus.errors import ConfigError
+        raise ConfigError("the job has already finished: its servers drained; start a new job")
+    index = max(1, cfg.cluster.servers) + int(store.add(KEYS.spares, 1)) - 1
+    print(f"plexus: joined the job at {args.join} as server {index}, a spare", file=sys.stderr)
+    group = ServerGroup(store, index, cfg, Traffic(), log=None)
+    group.wait_for_the_job()
+    group.finish()
+    print(f"plexus: server {index} finished", file=sys.stderr)
+    return 0
+
+
+def _drain(args: argparse.Namespace) -> int:
+    """``plexus drain HOST:PORT --server S``: ask server S of a running ps job to hand its
+    shards over, and wait until they have moved."""
+    from plexus.errors import CommTimeout, ConfigError
+    from plexus.ps.replication import owner_of
+    from plexus.ps.server import KEYS
+    store, _, _, _ = _job_store(args, "a drain")
+    cfg = _ps_job(store, args.join, args.timeout or 60.0)
+    servers = max(1, cfg.cluster.servers) + int(store.add(KEYS.spares, 0))
+    if not 0 <= args.server < servers:
+        raise ConfigError(f"--server must name one of the job's {servers} servers (0 to {servers - 1}), got "
+                          f"{args.server}")
+    shards = [s for s in range(max(1, cfg.cluster.servers)) if owner_of(store, s) == args.server]
+    store.set(KEYS.draining(args.server), "1")
+    deadline = time.monotonic() + (args.timeout or 60.0)
+    while any(owner_of(store, s) == args.server for s in shards):
+        if time.monotonic() > deadline:
+            raise CommTimeout(f"server {args.server} did not hand its shards over within {args.timeout or 60.0:g} s")
+        time.sleep(0.05)
+    moved = ", ".join(f"shard {s} to server {owner_of(store, s)}" for s in shards) or "no shard (it held none)"
+    print(f"plexus: server {args.server} drained: {moved}", file=sys.stderr)
+    return 0
+
+
 def _worker(args: argparse.Namespace) -> int:
     """``plexus worker --join HOST:PORT``: one more worker for a running ``ps`` or
     ``sandblaster`` job. It reads
     the job's configuration from the store, takes the next free rank, and trains as the
     job's workers do, from the current weights."""
     import dataclasses
-    from plexus.cluster.rendezvous import ProcessInfo, await_listener, connect_store
+    from plexus.cluster.rendezvous import ProcessInfo
     from plexus.config import JobConfig
     from plexus.errors import ConfigError
     from plexus.strategies.downpour import DownpourStrategy
@@ -695,22 +790,8 @@ def _worker(args: argparse.Namespace) -> int:
     from plexus.train.data import load_dataset
     from plexus.train.runner import worker_main
     given = args.timeout
-    if given is not None and not given > 0:
-        raise ConfigError(f"--timeout must be > 0 seconds, got {given:g}")
+    store, host, port, token = _job_store(args, "a worker that joins")
     args.timeout = 60.0 if given is None else given
-    host, _, port = args.join.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"--join must be HOST:PORT, got {args.join!r}: pass the address of the job's store, "
-                          f"e.g. --join 127.0.0.1:29500")
-    token = os.environ.get("PLEXUS_TOKEN")
-    if not token:
-        raise ConfigError("PLEXUS_TOKEN is not set: a worker that joins needs the job's token; export the "
-                          "PLEXUS_TOKEN the job was started with")
-    # Nothing may wait past --timeout, nor print c10d's retries: check that a store listens.
-    await_listener(host, int(port), args.timeout, "start the ps job first, and pass the host and --port it was "
-                   "started with (e.g. plexus train --strategy ps --port 29500)")
-    probe = ProcessInfo(role="worker", rank=-1, world_size=0, master_addr=host, master_port=int(port), token=token)
-    store = connect_store(probe, args.timeout)
     from plexus.train.job import JOB_KEY
     joinable = {"ps": DownpourStrategy, "sandblaster": SandblasterStrategy}
     strategy = DownpourStrategy
@@ -727,7 +808,7 @@ def _worker(args: argparse.Namespace) -> int:
         cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, timeout=given))
     rank = strategy.admit(store, cfg)
     info = ProcessInfo(role="worker", rank=rank, world_size=cfg.cluster.workers, master_addr=host,
-                       master_port=int(port), token=token)
+                       master_port=port, token=token)
     run_dir = Path(record["run_dir"]) if record["run_dir"] and Path(record["run_dir"]).is_dir() else None
     print(f"plexus: joined the job at {args.join} as worker {rank}", file=sys.stderr)
     worker_main(cfg, info, store, run_dir, load_dataset(cfg.data, cfg.run.seed))
@@ -858,6 +939,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _compare(args)
         if args.command == "worker":
             return _worker(args)
+        if args.command == "server":
+            return _server(args)
+        if args.command == "drain":
+            return _drain(args)
         if args.command == "report":
             return _report(args)
         if args.command == "simulate":

@@ -129,3 +129,70 @@ def test_a_push_the_gate_holds_is_not_counted_as_applied(name, n):
         gate.join(w, 0)
     gate.push(_push(0, 0))
     assert gate.clocks[0] == 1 and gate.applied_clock(0) == 0 and gate.applied_clock(1) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parallel
+def test_planned_drain_under_bsp_moves_the_shard_with_nothing_lost(tmp_path):
+    """Server 0 drains at version 20: its shard moves to its replica, server 1 (copy, then
+    switch), training goes on, and the model is the one of the same run with no drain."""
+    summary = _run(tmp_path, "drain", consistency="bsp", drain="server:0@step=20", save_model=True)
+    calm = _run(tmp_path, "calm", consistency="bsp", save_model=True)
+    (move,) = summary["migrations"]
+    assert (move["shard"], move["from"], move["to"]) == (0, 0, 1) and move["version"] >= 20
+    assert summary["lost_servers"] == [] and summary["recoveries"] == []
+    _ledger_ok(summary)
+    drained, whole = torch.load(tmp_path / "drain" / "model.pt"), torch.load(tmp_path / "calm" / "model.pt")
+    assert all(torch.equal(drained[k], v) for k, v in whole.items())
+
+
+@pytest.mark.slow
+@pytest.mark.parallel
+def test_a_server_joins_and_another_drains_into_it_mid_run(tmp_path):
+    """``plexus server --join`` adds a spare to a running job (the wrong token is refused),
+    ``plexus drain`` moves server 1's shard into it, and the job finishes with every push
+    acknowledged applied once."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from test_ps_join import _free_port, _stop, _wait_for
+    from plexus.train.metrics import read_events
+    port, token, out = _free_port(), "group-test-token", tmp_path / "run"
+    env = {**os.environ, "PLEXUS_TOKEN": token}
+    plexus_cli = [sys.executable, "-m", "plexus.cli"]
+    job = subprocess.Popen([*plexus_cli, "train", "--strategy", "ps", "--consistency", "asp", "--workers", "3",
+                            "--batch-size", "48", "--servers", "2", "--dataset", "digits", "--hidden", "32",
+                            "--lr", "0.05", "--steps", "1000000", "--time-limit", "120", "--eval-every", "0",
+                            "--log-every", "20", "--port", str(port), "--timeout", "30", "--peer-timeout", "5",
+                            "--ledger", "--out", str(out), "--quiet", "--json", "--no-report"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        _wait_for(lambda: bool(read_events(out, "train")), 90, "training started", job)
+        wrong = subprocess.run([*plexus_cli, "server", "--join", f"127.0.0.1:{port}", "--timeout", "10"],
+                               capture_output=True, text=True, env={**env, "PLEXUS_TOKEN": "wrong"}, timeout=60)
+        spare = subprocess.Popen([*plexus_cli, "server", "--join", f"127.0.0.1:{port}", "--timeout", "30"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        _wait_for(lambda: "as server 2" in (spare.stderr.readline() or ""), 60, "the spare joined", job)
+        drain = subprocess.run([*plexus_cli, "drain", f"127.0.0.1:{port}", "--server", "1", "--timeout", "60"],
+                               capture_output=True, text=True, env=env, timeout=90)
+        steps = max(e["step"] for e in read_events(out, "train"))
+        _wait_for(lambda: max(e["step"] for e in read_events(out, "train")) >= steps + 40, 90,
+                  "training after the drain", job)
+        _stop(port, token)
+        job_out, job_err = job.communicate(timeout=120)
+        spare_out, spare_err = spare.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, 9)
+            job.wait()
+    assert wrong.returncode == 2 and "token does not match" in wrong.stderr, wrong.stderr
+    assert drain.returncode == 0 and "shard 1 to server 2" in drain.stderr, drain.stderr
+    assert job.returncode == 0, job_err[-2000:]
+    assert spare.returncode == 0, spare_err[-2000:]
+    summary = json.loads(job_out.strip().splitlines()[-1])
+    (move,) = summary["migrations"]
+    assert (move["shard"], move["from"], move["to"]) == (1, 1, 2)
+    assert summary["lost_workers"] == [] and summary["updates_applied"] == summary["pushes_acknowledged"]
+    _ledger_ok(summary)

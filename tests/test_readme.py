@@ -42,6 +42,9 @@ SKIP = {
     "--port 29500": "the background half of a two-terminal example on a fixed port; tests/test_ps_join.py runs "
                     "the same pair on a free port",
     "plexus worker --join": "needs the job above running in another terminal; tests/test_ps_join.py",
+    "plexus server --join": "needs a ps job running in another terminal; tests/test_ps_replication.py runs the "
+                            "join and the drain against a job on a free port",
+    "plexus drain": "needs a ps job running in another terminal; tests/test_ps_replication.py",
     "--lbfgs vector-free --line-search strong_wolfe": "tests/test_sandblaster.py runs vector-free and strong Wolfe "
                                                       "against torch.optim.LBFGS",
     "--simulate --sim-workers 64": "15 simulated jobs of 64 workers (about a minute); tests/test_simulate.py runs "
@@ -216,7 +219,8 @@ def _check(example: Example, result: subprocess.CompletedProcess, out_dir: Path)
     said = f"README line {example.line}: {example.text}\n  exit {result.returncode}; stderr tail: " \
            f"{result.stderr.strip().splitlines()[-3:]}"
     effect = next(((kind, m) for pattern, kind in EFFECTS if (m := pattern.search(example.comment))), None)
-    kills = [a for a in example.argv if "@step=" in a]
+    kills = [a for i, a in enumerate(example.argv) if "@step=" in a and example.argv[i - 1] == "--kill"]
+    drains = [a for i, a in enumerate(example.argv) if example.argv[i - 1] == "--drain"]
     if effect and effect[0] == "fails naming":
         role, rank = effect[1].group(1), effect[1].group(2)
         if result.returncode == 0 or f"{role} {rank}" not in result.stderr:
@@ -248,6 +252,10 @@ def _check(example: Example, result: subprocess.CompletedProcess, out_dir: Path)
                 return f"{said}\n  worker {m.group(2)} was to be killed, lost_workers is {lost}"
             if m and m.group(1) != "worker" and f"{m.group(1)} {m.group(2)}" not in json.dumps(summary):
                 return f"{said}\n  the summary does not name the killed {m.group(1)} {m.group(2)}"
+    if drains:
+        (summary,) = summaries
+        if not summary.get("migrations"):
+            return f"{said}\n  the drain never moved a shard: no migrations in the summary"
     if "--warmup-steps" in example.argv:
         # Issue 19: a warm-up as long as the run left local SGD with no averaging at all.
         (summary,) = summaries

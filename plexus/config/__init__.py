@@ -315,6 +315,9 @@ class StrategyConfig:
     # Test mode (Jepsen-style): every push carries worker * 10^6 + clock in the first element
     # of each shard, and the summary checks acknowledged <= applied <= sent, each once.
     ledger: bool = False
+    # Planned removal: server:S@step=N drains server S once its shard reaches version N; its
+    # shard moves to a spare (plexus server --join) or its successor, with training going on.
+    drain: str = ""
 
     # --- Sandblaster L-BFGS (sandblaster) ---
     # L-BFGS history m: the (s, y) pairs kept on the server shards.
@@ -360,6 +363,8 @@ class StrategyConfig:
                  "pass --backup-workers 1")
         _require(self.replication >= 0, "replication", "must be non-negative", self.replication,
                  "pass --replication 1")
+        _require(all(k.role == "server" for k in parse_kill(self.drain)), "drain", "names servers only",
+                 self.drain, "write server:1@step=50")
         _require(self.history >= 1, "history", "must be at least 1 (s, y) pair", self.history,
                  "pass --history 10")
         _require(self.lbfgs in ("two-loop", "vector-free"), "lbfgs", "must be two-loop or vector-free", self.lbfgs,

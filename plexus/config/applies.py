@@ -63,6 +63,7 @@ APPLIES: dict[str, tuple[str, ...]] = {
     # the server group (ps/replication.py)
     "replication": ("ps",),
     "ledger": ("ps",),
+    "drain": ("ps",),
     # Sandblaster L-BFGS (sandblaster/)
     "history": ("sandblaster",),
     "lbfgs": ("sandblaster",),

@@ -35,6 +35,11 @@ __all__ = ["PSClient", "Reply", "Heartbeat"]
 logger = logging.getLogger(__name__)
 
 
+class _Moved(PeerLost):
+    """A server answered that the shard moved (drained away): send the request again to
+    its new owner."""
+
+
 @dataclass
 class _Request:
     header: Header
@@ -63,16 +68,20 @@ class PSClient:
     messages of every shard, in shard order, and the parent answers them in that order.
     ``sender`` is the client's index among its parent's children (its rank by default).
 
-    ``failover`` (``--replication``): when the link to a shard's server breaks, wait for
-    the replica that takes the shard over (``replication.owner_of``), link to it, and send
-    the request again; a push it already holds is acknowledged, not applied twice."""
+    Shards that move. A server that drains answers MOVED; with ``replicated``
+    (``--replication``) a server's link that breaks means it died. Either way the client
+    waits for the shard's new server (``replication.owner_of``), links to it and sends the
+    request again; a push it already holds is acknowledged, not applied twice."""
 
     def __init__(self, store: dist.Store, rank: int, servers: int, *, numel: int, dtype: torch.dtype,
                  rows: int = 0, width: int = 0, traffic: Traffic, timeout: float, net: NetSpec | None = None, transport: str = "auto",
                  sender: int | None = None, name: str | None = None, parent: str | None = None,
-                 failover: bool = False) -> None:
+                 replicated: bool = False) -> None:
         self.store, self.rank, self.servers = store, rank, servers
-        self.failover = failover and parent is None
+        # A flat client follows its shards when they move (a drain) or, with replicas
+        # (``replicated``), when their server dies; a tree's talk to their parent only.
+        self.failover = parent is None
+        self.replicated = replicated
         self.hosts = list(range(servers))     # the server process serving each shard
         self.me = name or f"worker {rank}"
         self.sender = rank if sender is None else sender
@@ -148,6 +157,8 @@ class PSClient:
                     raise works
                 headers[s] = self._complete(s, req, works)
             except PeerLost as exc:
+                if not (self.replicated or isinstance(exc, _Moved)):
+                    raise  # no replica can take a dead server's shard over
                 headers[s] = self._again(s, req, exc)
         return Reply(headers)
 
@@ -197,6 +208,9 @@ class PSClient:
                 lost = exc
 
     def _refused(self, server: int, header: Header) -> None:
+        if header.status == Status.MOVED:
+            raise _Moved(f"{self.me}: shard {server} moved away from server {self.hosts[server]}",
+                         peer=f"server {self.hosts[server]}")
         if header.status == Status.LOST:
             raise PeerLost(f"{self.me}: server {server} declared this worker lost (silent for longer than "
                            f"--peer-timeout, or its link broke); a lost worker does not come back",
@@ -277,6 +291,7 @@ class PSClient:
         return reply
 
     def pull(self, flat: torch.Tensor, clock: int) -> Reply:
+        self._follow()
         requests = []
         for s in range(self.servers):
             part = self._dense_slice(flat, s)
@@ -348,8 +363,22 @@ class PSClient:
             pause = min(0.1, pause * 2)
         return int(json.loads(self.store.get(KEYS.drained(0)).decode())["evaluator"])
 
+    def _follow(self) -> None:
+        """Link to the current server of every shard that moved (a drain) since we last
+        talked to it: a worker that finished meets the shard's new server only here."""
+        if not self.failover:
+            return
+        for s in range(self.servers):
+            host = owner_of(self.store, s)
+            if host != self.hosts[s]:
+                self.links[s].close()
+                self.hosts[s] = host
+                self.links[s] = Link(self.store, self.me, f"server {host}", traffic=self.traffic,
+                                     timeout=self.timeout, net=self.net, transport=self.transport, tag=f"shard {s}")
+
     def signal(self, op: Op, clock: int = 0) -> Reply:
         """A payload-free message to every shard: CLOCK, BYE or SHUTDOWN."""
+        self._follow()
         return self._exchange([_Request(Header(op=op, sender=self.sender, shard=s, clock=clock,
                                                dtype=dtype_code(self.dtype), total=self.numel, rows=self.rows))
                                for s in range(self.servers)])

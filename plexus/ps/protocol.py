@@ -87,6 +87,8 @@ class Status(IntEnum):
     LOST = 2
     # The request broke the protocol; the server closes the link after this reply.
     ERROR = 3
+    # The shard moved to another server (a drain); send the request there (``ps/owner/<s>``).
+    MOVED = 4
 
 
 _DTYPES = {torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16: 4}

@@ -53,15 +53,15 @@ from plexus.config import JobConfig
 from plexus.errors import CommError, ProtocolError
 from plexus.ps.protocol import code_dtype, dtype_code
 
-__all__ = ["successors", "owner_key", "owner_of", "ShardState", "WorkerRow", "Replicator", "Standby",
+__all__ = ["successors", "owner_key", "owner_of", "handoff_key", "ShardState", "WorkerRow", "Replicator", "Standby",
            "replicated_shards"]
 
 logger = logging.getLogger(__name__)
 
 _MAGIC = 0x504C5852_0001  # "PLXR", replication protocol 1
 # Header: magic, shard, version, count, dtype, total, optimizer tensors, optimizer steps,
-# workers, histogram length, ledger, duplicates, final flag.
-_HEADER = 13
+# workers, histogram length, ledger, duplicates, final flag, handoff target (-1: none).
+_HEADER = 14
 # Per worker: rank, state, base, gate clock (-1: not live in the gate), applied, acked,
 # pushed, gradients, staleness, highest ledger sequence applied.
 _ROW = 10
@@ -81,6 +81,11 @@ def replicated_shards(server: int, servers: int, k: int) -> list[int]:
 
 def owner_key(shard: int) -> str:
     return f"ps/owner/{shard}"
+
+
+def handoff_key(shard: int) -> str:
+    """Names the server a drain hands ``shard`` to (which then follows it as a replica)."""
+    return f"ps/handoff/{shard}"
 
 
 def owner_of(store: dist.Store, shard: int) -> int:
@@ -118,13 +123,15 @@ class ShardState:
     ledger: int = 0
     duplicates: int = 0
     final: bool = False
+    handoff: int = -1                 # a drain: the server that is to take the shard over
     received: float = field(default=0.0, compare=False)   # monotonic time it arrived
 
     def encode(self) -> list[torch.Tensor]:
         """The header tensor, then the payloads it announces."""
         header = torch.tensor([_MAGIC, self.shard, self.version, self.params.numel(), dtype_code(self.params.dtype),
                                self.total, len(self.optimizer), self.optimizer_steps, len(self.workers),
-                               len(self.histogram), self.ledger, self.duplicates, int(self.final)], dtype=torch.int64)
+                               len(self.histogram), self.ledger, self.duplicates, int(self.final), self.handoff],
+                              dtype=torch.int64)
         rows = torch.tensor([[w.rank, STATES.index(w.state), w.base, w.clock, w.applied, w.acked, w.pushed,
                               w.gradients, w.staleness, w.ledger_seq] for w in self.workers],
                             dtype=torch.int64).reshape(-1)
@@ -138,7 +145,7 @@ def _recv_state(link: Link, timeout: float, expect_shard: int) -> ShardState:
     header = torch.zeros(_HEADER, dtype=torch.int64)
     link.recv_from_peer(header, timeout=timeout)
     (magic, shard, version, count, dtype, total, n_opt, steps, n_workers, n_hist, ledger, duplicates,
-     final) = header.tolist()
+     final, handoff) = header.tolist()
     if magic != _MAGIC or shard != expect_shard or count < 0 or n_opt < 0 or n_workers < 0 or n_hist < 0:
         raise ProtocolError(f"{link.peer} sent a malformed replica of shard {expect_shard}", peer=link.peer)
     dtype = code_dtype(dtype)
@@ -155,7 +162,7 @@ def _recv_state(link: Link, timeout: float, expect_shard: int) -> ShardState:
         link.recv_from_peer(histogram, timeout=timeout)
     workers = [WorkerRow(r[0], STATES[r[1]], *r[2:]) for r in rows.view(n_workers, _ROW).tolist()]
     return ShardState(shard, version, total, params, optimizer, steps, workers, histogram.tolist(), ledger,
-                      duplicates, bool(final), received=time.monotonic())
+                      duplicates, bool(final), handoff, received=time.monotonic())
 
 
 def _link_tag(shard: int) -> str:
@@ -177,12 +184,27 @@ class Replicator:
         self.bytes_sent = 0
         self.messages = 0
         self._final = False
-        self._threads = [threading.Thread(target=self._run, args=(q,), name=f"server {host} -> replica {q}",
-                                          daemon=True) for q in replicas]
+        self._started = False
+        self.handoff = -1       # a drain: the replica that is to take the shard over
+        self._threads = [self._thread(q) for q in replicas]
+
+    def _thread(self, replica: int) -> threading.Thread:
+        return threading.Thread(target=self._run, args=(replica,), name=f"server {self.host} -> replica {replica}",
+                                daemon=True)
 
     def start(self) -> None:
+        self._started = True
         for thread in self._threads:
             thread.start()
+
+    def add(self, replica: int) -> None:
+        """Under ``cond``: one more replica (a drain's target), sent the state at once."""
+        if replica in self.live:
+            return
+        self.live[replica] = -1
+        self._threads.append(self._thread(replica))
+        if self._started:
+            self._threads[-1].start()
 
     def wait(self, version: int, deadline: float) -> None:
         """Under ``cond``: block until every live replica holds ``version``."""
@@ -222,6 +244,7 @@ class Replicator:
                     return  # the job ended before any worker arrived: nothing to replicate
                 state, changes = taken
                 state.final = final
+                state.handoff = self.handoff if self.handoff == replica else -1
                 for tensor in state.encode():
                     link.send_to_peer(tensor, timeout=timeout)
                     self.bytes_sent += tensor.numel() * tensor.element_size()
@@ -232,7 +255,7 @@ class Replicator:
                 with self.cond:
                     self.live[replica] = max(self.live[replica], int(ack[0]))
                     self.cond.notify_all()
-                if final:
+                if final or state.handoff == replica:  # the job ended, or the replica took the shard
                     return
         except CommError as exc:
             logger.warning("server %d: lost replica server %d of shard %d: %s", self.host, replica, self.shard, exc)
@@ -255,6 +278,8 @@ class Standby:
         self.store, self.host, self.shard, self.cfg, self.traffic = store, host, shard, cfg, traffic
         self.promote, self.drained = promote, drained
         self.state: ShardState | None = None
+        self.leaving = False    # this server drains: a broken link is its own doing
+        self.link: Link | None = None
         self.bytes_received = 0
         self.thread = threading.Thread(target=self._run, name=f"server {host}: replica of shard {shard}", daemon=True)
 
@@ -265,18 +290,28 @@ class Standby:
         while True:
             link = None
             try:
-                link = Link(store, f"server {self.host}", f"server {owner}", traffic=self.traffic, timeout=timeout,
-                            net=self.cfg.cluster.net, tag=_link_tag(self.shard), transport=self.cfg.cluster.transport,
-                            cancelled=lambda: store.check([lost_key(f"server {owner}")]))
+                link = self.link = Link(store, f"server {self.host}", f"server {owner}", traffic=self.traffic,
+                                        timeout=timeout, net=self.cfg.cluster.net, tag=_link_tag(self.shard),
+                                        transport=self.cfg.cluster.transport,
+                                        cancelled=lambda: self.leaving or store.check([lost_key(f"server {owner}")]))
                 while True:
                     state = _recv_state(link, 2 * timeout + self.cfg.cluster.peer_timeout, self.shard)
                     self.state = state
                     self.bytes_received += sum(t.numel() * t.element_size() for t in state.encode())
+                    if state.handoff == self.host:
+                        # A drain hands the shard over: the primary applies nothing more, and
+                        # waits for the owner key to name us before it sends workers here.
+                        store.compare_set(owner_key(self.shard), str(owner) if store.check([owner_key(self.shard)])
+                                          else "", str(self.host))
+                        now = time.time()
+                        self.promote(state, {"detected": now, "takeover": now, "from": owner, "drained": 1})
+                        link.send_to_peer(torch.tensor([state.version], dtype=torch.int64), timeout=timeout)
+                        return
                     link.send_to_peer(torch.tensor([state.version], dtype=torch.int64), timeout=timeout)
                     if state.final:
                         return
             except CommError as exc:
-                if self.drained() or (self.state is not None and self.state.final):
+                if self.drained() or self.leaving or (self.state is not None and self.state.final):
                     return
                 detected, dead = time.time(), owner
                 logger.warning("server %d: primary server %d of shard %d is gone: %s", self.host, owner, self.shard,
@@ -293,8 +328,14 @@ class Standby:
                     self.promote(self.state, {"detected": detected, "takeover": time.time(), "from": dead})
                     return
             finally:
-                if link is not None:
+                if link is not None and not self.leaving:  # stop() closed it already
                     link.close()
+
+    def stop(self) -> None:
+        """This server leaves (it drained): stop following the primary."""
+        self.leaving = True
+        if self.link is not None:
+            self.link.close()
 
     def _next_owner(self, store: dist.Store, dead: int) -> int | None:
         """The shard's next primary: this server, if it is the first successor not

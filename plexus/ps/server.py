@@ -37,7 +37,7 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -47,12 +47,12 @@ from plexus.cluster.emulation import Emulator
 from plexus.cluster.group import Link
 from plexus.cluster.rendezvous import lost_key
 from plexus.cluster.traffic import Traffic
-from plexus.config import JobConfig
+from plexus.config import JobConfig, parse_kill
 from plexus.errors import CommError, CommTimeout, ProtocolError
 from plexus.ps.consistency import Consistency, Push, SoftSync, make_consistency
 from plexus.ps.heartbeat import Log, Watch, beat_key
 from plexus.ps.optimizers import ServerOptimizer, make_server_optimizer
-from plexus.ps.replication import Replicator, ShardState, WorkerRow, successors
+from plexus.ps.replication import Replicator, ShardState, WorkerRow, handoff_key, owner_of, successors
 from plexus.ps.protocol import (HEADER_BYTES, MEMBER_FIELDS, SENTINEL, Header, Op, ShardSpec, Status, check_request,
                                 code_dtype, decode, encode, header_buffer, mark_payload, payload_short,
                                 request_payloads)
@@ -98,6 +98,29 @@ class KEYS:
     def drained(server: int) -> str:
         return f"ps/drained/{server}"
 
+    # Servers that joined the running job (``plexus server --join``): spares a drain hands
+    # its shard to, numbered from --servers on.
+    spares = "ps/spares"
+
+    @staticmethod
+    def spare_claim(server: int) -> str:
+        """Set (compare-and-set) by the drain that takes spare ``server``."""
+        return f"ps/spare/{server}/claimed"
+
+    @staticmethod
+    def migrations(shard: int) -> str:
+        """Counter: the drains that moved ``shard``."""
+        return f"ps/migrations/{shard}"
+
+    @staticmethod
+    def migration(shard: int, i: int) -> str:
+        return f"ps/migrations/{shard}/{i}"
+
+    @staticmethod
+    def draining(server: int) -> str:
+        """Set to ask ``server`` to drain (``plexus drain``), and by the server as it drains."""
+        return f"ps/drain/{server}"
+
     @staticmethod
     def ledger_sent(worker: int) -> str:
         """``--ledger``: the sum of the codes worker ``worker`` pushed (to every shard)."""
@@ -134,6 +157,10 @@ class _Worker:
     staleness: int = -1               # staleness of its last applied push
     thread: threading.Thread | None = field(default=None, repr=False)
     rx: torch.Tensor | None = field(default=None, repr=False)    # dense receive buffer, reused
+
+
+class _ShardMoved(Exception):
+    """A reply said MOVED (the shard was drained away): this link's work is done."""
 
 
 def _running(thread: threading.Thread | None) -> bool:
@@ -276,6 +303,14 @@ class ParameterServer:
         self.resent = 0                        # pushes that came again after a takeover, already applied
         self.changes = 0                       # state changes, for the replicator
         self.recovery = dict(recovery) if recovery is not None else None
+        # A drain (``drain``): ``moving`` once this shard applies nothing more, ``moved_to``
+        # once the owner key names the server that took it over.
+        self.moving = False
+        self._handoff: tuple[ShardState, int] | None = None
+        self.moved_to: int | None = None
+        self.migration: dict[str, Any] | None = None
+        self.drain_at = min((k.step for k in parse_kill(s.drain) if k.rank == index), default=None) \
+            if s.drain and self.host == index else None
         self.replicator: Replicator | None = None
         k = s.replication
         if k:
@@ -306,6 +341,8 @@ class ParameterServer:
                         self.cond.wait(0.1)
                     done, drained = self._done(), self.drained
                     record = {"evaluator": self.evaluator, "version": self.version}
+                if drained and not published and self.moved_to is not None:
+                    published = True  # the shard lives on elsewhere: its new server publishes its end
                 if drained and not published:
                     if self.tree:
                         # The root's children are aggregators: the evaluator is the lowest-ranked
@@ -370,6 +407,10 @@ class ParameterServer:
             out["replication"] = {"replicas": sorted(self.replicator.live), "bytes_sent": self.replicator.bytes_sent,
                                   "messages": self.replicator.messages,
                                   "lost_replicas": {str(q): why for q, why in sorted(self.replicator.lost.items())}}
+        moves = self.store.add(KEYS.migrations(self.index), 0)
+        if moves:
+            out["migrations"] = [json.loads(self.store.get(KEYS.migration(self.index, i)).decode())
+                                 for i in range(moves)]
         if self.recovery is not None:
             out["recovery"] = dict(self.recovery)
             if self.store.check(["train/t0"]):  # seconds into training, as metrics.jsonl counts time
@@ -415,6 +456,10 @@ class ParameterServer:
                     why = self.watch.judge(self.names[w], beats, now, self.peers[w].since)
                 if why is not None:
                     self._lose(w, why)
+            if store.check([KEYS.draining(self.host)]):  # plexus drain, or another shard of ours drains
+                with self.cond:
+                    if self.optimizer is not None and self.moved_to is None:
+                        self._start_drain()
             joins = store.add(KEYS.joined, 0)
             while known_joins < joins:
                 self._admit(self.workers + known_joins)
@@ -439,6 +484,10 @@ class ParameterServer:
         with self.cond:
             peer = self.peers.get(worker)
             if peer is None or peer.state in (CLOSED, LOST):
+                return
+            if self.moving:  # the shard moved: the worker follows it, nothing is lost here
+                peer.state = CLOSED
+                self.cond.notify_all()
                 return
             if peer.state == FINISHED:
                 # It had finished training; a broken link now loses nothing.
@@ -497,6 +546,8 @@ class ParameterServer:
             self._lose(worker, f"protocol error: {exc}")
         except CommError as exc:
             self._lose(worker, str(exc))
+        except _ShardMoved:
+            pass
         finally:
             link.close()
             # Whatever ended the link, a live worker behind it is gone (a finished one is closed).
@@ -546,6 +597,9 @@ class ParameterServer:
         # A push's gradient is applied straight from a shared-memory ring, without a copy.
         borrow = op in (Op.PUSH, Op.PUSH_PULL, Op.SPARSE_PUSH) and link.transport == "shm"
         payloads, release = self._recv_payloads(link, h, peer, borrow)
+        if self.moving and op != Op.SHUTDOWN:
+            release()
+            self._send_reply(link, h, worker, dense=False, rows=None)  # MOVED: the worker follows the shard
         if op in (Op.PUSH, Op.PUSH_PULL, Op.SPARSE_PUSH):
             try:
                 if state != ACTIVE:
@@ -659,10 +713,74 @@ class ParameterServer:
         self.params = torch.zeros(stop - start, dtype=dtype)
         self.table = torch.zeros(len(keys), self.spec.width, dtype=dtype)
 
+    # --- drain: the shard moves to another server ------------------------------------------
+
+    def drain(self) -> None:
+        """Hand this shard over to another server, in two phases, with training going on:
+        copy (the target becomes one more replica and catches up while this server still
+        serves), then switch (fence: nothing more is applied here; the target gets the
+        final state, takes the owner key, and every request here is answered MOVED)."""
+        target = self._drain_target()
+        if target is None:
+            logger.error("%s: cannot drain: no other live server to take shard %d", self.me, self.index)
+            return
+        logger.warning("%s: drains shard %d to server %d", self.me, self.index, target)
+        start = time.time()
+        self.store.set(KEYS.draining(self.host), "1")  # every shard this server holds leaves with it
+        self.store.set(handoff_key(self.index), str(target))  # the target's group starts a standby
+        deadline = time.monotonic() + self.timeout
+        with self.cond:
+            if self.replicator is None:
+                self.replicator = Replicator(self.store, self.host, self.index, [], self.cfg, self.traffic,
+                                             self.cond, self._snapshot, lambda: self.changes)
+                self.replicator.start()
+            self.replicator.add(target)
+            self.changes += 1
+            self.cond.notify_all()
+            while self.replicator.live.get(target, -1) < self.version and time.monotonic() < deadline:
+                self.cond.wait(0.5)
+            copied = time.time()
+            # Fence. The state handed over is the one of this instant: workers sent on from
+            # here (MOVED) close their links, which must not make them closed over there.
+            self._handoff = self._snapshot()
+            self.moving = True
+            self.replicator.handoff = target
+            self.changes += 1
+            self.cond.notify_all()
+        while owner_of(self.store, self.index) != target and time.monotonic() < deadline:
+            time.sleep(0.002)
+        with self.cond:
+            self.moved_to = target
+            self.migration = {"shard": self.index, "from": self.host, "to": target, "copy_seconds": copied - start,
+                              "switch_seconds": time.time() - copied, "version": self.version}
+            self.drained = True
+            self.cond.notify_all()
+        # The shard's last server reports every move it made (``record``).
+        n = self.store.add(KEYS.migrations(self.index), 1)
+        self.store.set(KEYS.migration(self.index, n - 1), json.dumps(self.migration))
+        logger.warning("%s: shard %d moved to server %d at version %d", self.me, self.index, target, self.version)
+
+    def _drain_target(self) -> int | None:
+        """A server that joined the job as a spare and is still free, else the shard's
+        first successor on the ring that is neither this server nor lost."""
+        spares = int(self.store.add(KEYS.spares, 0))
+        for j in range(spares):
+            spare = self.servers + j
+            if self.store.compare_set(KEYS.spare_claim(spare), "", str(self.index)).decode() == str(self.index):
+                return spare
+        for q in successors(self.index, self.servers, self.servers - 1):
+            if q != self.host and not self.store.check([lost_key(f"server {q}")]) \
+                    and not self.store.check([KEYS.draining(q)]):
+                return q
+        return None
+
     # --- replication ------------------------------------------------------------------------
 
     def _snapshot(self) -> tuple[ShardState, int] | None:
-        """Under the lock: the shard's state for its replicas (None before the first INIT)."""
+        """Under the lock: the shard's state for its replicas (None before the first INIT);
+        once a drain fenced the shard, the state of that instant."""
+        if self._handoff is not None:
+            return self._handoff[0], self.changes
         if self.optimizer is None:
             return None
         # A push the gate still holds is not in this state: the worker sends it again to
@@ -745,12 +863,15 @@ class ParameterServer:
             rows = self._local_rows(payloads[-2], name)
             grads = payloads[-1].view(h.keys, spec.width)
         with self.cond:
+            if self.moving:  # fenced by a drain: not applied here; the reply sends it on (MOVED)
+                return
             peer = self.peers[worker]
             members = self._members(worker, h, payloads[-1] if h.members else None)
             push = Push(worker, peer.base + h.clock, h.version, _Payload(dense, rows, grads, members),
                         weight=len(members))
             expected = self.gate.clocks.get(worker)
-            if self.replicator is not None and expected is not None and push.clock < expected:
+            if (self.replicator is not None or self.recovery is not None) and expected is not None \
+                    and push.clock < expected:
                 # Sent again after a takeover: the old primary applied it and its replicas
                 # hold it, but its acknowledgement was lost with the primary.
                 self.resent += 1
@@ -819,6 +940,15 @@ class ParameterServer:
                 self.recovery["first_update"] = time.time()
             if self.kill is not None:
                 self.kill.at_step(self.version)
+            if self.drain_at is not None and self.version >= self.drain_at:
+                self._start_drain()
+
+    def _start_drain(self) -> None:
+        """Under the lock: drain in a thread of its own, once."""
+        if self.drain_at == -1:
+            return
+        self.drain_at = -1
+        threading.Thread(target=self.drain, name=f"{self.me} drain", daemon=True).start()
 
     def _take_ledger(self, group: list[Push]) -> list[torch.Tensor]:
         """``--ledger``: add the code each push carries in the shard's first element to the
@@ -850,7 +980,7 @@ class ParameterServer:
         with self.cond:
             peer = self.peers[worker]
             target = peer.base + clock
-            while not self.gate.may_serve(worker, target) and peer.state != LOST:
+            while not self.gate.may_serve(worker, target) and peer.state != LOST and not self.moving:
                 if isinstance(self.gate, SoftSync) and time.monotonic() - self.last_push > self.peer_timeout:
                     self._apply(self.gate.flush())  # see SoftSync.flush
                     self.cond.notify_all()
@@ -868,7 +998,7 @@ class ParameterServer:
         with self.cond:
             peer = self.peers[worker]
             payloads = []
-            status = Status.LOST if peer.state == LOST else Status.OK
+            status = Status.LOST if peer.state == LOST else Status.MOVED if self.moving else Status.OK
             sending = None
             if status == Status.OK and dense and self.spec.count:
                 sending = self.params
@@ -888,6 +1018,9 @@ class ParameterServer:
                 # Nothing is acknowledged, and no weights are shown, that a takeover could
                 # lose (``sending`` is held, so its buffer stays this version's meanwhile).
                 self.replicator.wait(reply.version, time.monotonic() + self.timeout)
+                if self.moving:  # a drain fenced the shard meanwhile: send the worker on
+                    reply = replace(reply, status=Status.MOVED, count=0, keys=0)
+                    payloads = []
         try:
             works = [link.isend(encode(reply), link.peer_index)]
             works += [link.isend(p, link.peer_index) for p in payloads]
@@ -903,3 +1036,5 @@ class ParameterServer:
                             self._spare.append(self._retired.pop(id(sending)))
         if status == Status.LOST:
             raise CommError(f"{self.me}: worker {worker} was declared lost", peer=link.peer)
+        if reply.status == Status.MOVED:
+            raise _ShardMoved()

@@ -71,6 +71,7 @@ def check(cfg: JobConfig, spec: SimSpec) -> None:
         ("--model logreg under ps (its sparse table)", strategy in ("ps", "tree-ps") and cfg.model.model == "logreg"),
         (f"--replication {s.replication} (a dead simulated server ends the job)", s.replication > 0),
         ("--ledger", s.ledger),
+        (f"--drain {s.drain}", bool(s.drain)),
     ) if used]
     if unmodelled:
         raise ConfigError(f"plexus simulate does not model {', '.join(unmodelled)} yet: drop it, or train it for real "

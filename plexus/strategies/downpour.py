@@ -174,11 +174,15 @@ class DownpourStrategy(Strategy):
             # What a worker that joins later needs: the job and where it writes.
             store_set_json(ctx.store, _JOB_KEY, {"config": ctx.cfg.to_dict(),
                                                  "run_dir": str(ctx.run_dir) if ctx.run_dir else None})
-        replicated = ctx.cfg.strategy.replication > 0
-        group = ServerGroup(ctx.store, rank, ctx.cfg, ctx.traffic, ctx.log.log) if replicated else None
-        record = ParameterServer(ctx.store, rank, ctx.cfg, ctx.traffic, cls.root_children(ctx.cfg),
-                                 readers=cls.root_readers(ctx.cfg), log=ctx.log.log).serve()
-        store_set_json(ctx.store, f"stats/server/{rank}", record)
+        # Flat ps servers take part in the group: replicas, takeovers and drains (tree-ps's
+        # root servers, whose children are aggregators, do not).
+        group = ServerGroup(ctx.store, rank, ctx.cfg, ctx.traffic, ctx.log.log) \
+            if cls.root_children(ctx.cfg) is None else None
+        server = ParameterServer(ctx.store, rank, ctx.cfg, ctx.traffic, cls.root_children(ctx.cfg),
+                                 readers=cls.root_readers(ctx.cfg), log=ctx.log.log)
+        record = server.serve()
+        if server.moved_to is None:  # a shard that moved on is recorded by its last server
+            store_set_json(ctx.store, f"stats/server/{rank}", record)
         if group is not None:
             group.finish()
         if rank == 0:
@@ -258,6 +262,9 @@ class DownpourStrategy(Strategy):
                 out.update(steps=steps)
                 samples = steps * cfg.run.batch_size
             out.update(samples=samples, wall_seconds=wall, samples_per_second=samples / wall if wall else None)
+        migrations = [m for rec in servers.values() for m in rec.get("migrations", [])]
+        if migrations:  # drains: each shard that moved, when, and how long each phase took
+            out["migrations"] = sorted(migrations, key=lambda m: (m["shard"], m["version"]))
         if s.replication:
             out.update(_replication_summary(cfg, records))
         if s.ledger:
@@ -338,7 +345,7 @@ class DownpourStrategy(Strategy):
                                    log=ctx.log.log if ctx.log is not None else None)
         self.client = PSClient(ctx.store, self.rank, num_servers(cfg), numel=numel, dtype=dtype, rows=rows,
                                width=width, traffic=ctx.traffic, timeout=cfg.cluster.timeout, net=cfg.cluster.net,
-                               transport=cfg.cluster.transport, failover=s.replication > 0,
+                               transport=cfg.cluster.transport, replicated=s.replication > 0,
                                **self.uplink())
         try:
             self.client.connect()
@@ -566,7 +573,7 @@ def _replication_summary(cfg: JobConfig, records: dict[str, Any]) -> dict[str, A
     recoveries = []
     for shard, rec in sorted(servers.items()):
         times = rec.get("recovery")
-        if not times:
+        if not times or times.get("drained"):  # a drain's handoff is a migration, not a recovery
             continue
         detected = times["detected"]
         recoveries.append({"shard": int(shard), "lost": f"server {times['from']}", "server": rec["host"],
