@@ -470,6 +470,8 @@ def _summary_line(summary: dict[str, Any]) -> str:
 
 def _print_summary(summary: dict[str, Any], run_dir: str, as_json: bool) -> None:
     print(_summary_line(summary))
+    if summary.get("ledger_verdict"):  # --ledger: the run's own check of every push
+        print(summary["ledger_verdict"])
     if summary.get("health", "ok") != "ok":
         where = ""
         if summary.get("diverging_workers"):
@@ -696,7 +698,7 @@ def _print_judging(groups: Sequence[tuple[str, Sequence[Path]]], errors: dict[Pa
     return judged
 
 
-def _job_store(args: argparse.Namespace, who: str):
+def _job_store(args: argparse.Namespace, who: str, role: str = "worker"):
     """The store of the running job at ``args.join`` (HOST:PORT), reached with the token in
     PLEXUS_TOKEN within ``args.timeout`` (60 s when not given); returns (store, host, port, token)."""
     from plexus.cluster.rendezvous import ProcessInfo, await_listener, connect_store
@@ -715,7 +717,7 @@ def _job_store(args: argparse.Namespace, who: str):
     # Nothing may wait past --timeout, nor print c10d's retries: check that a store listens.
     await_listener(host, int(port), timeout, "start the ps job first, and pass the host and --port it was "
                    "started with (e.g. plexus train --strategy ps --port 29500)")
-    probe = ProcessInfo(role="worker", rank=-1, world_size=0, master_addr=host, master_port=int(port), token=token)
+    probe = ProcessInfo(role=role, rank=-1, world_size=0, master_addr=host, master_port=int(port), token=token)
     return connect_store(probe, timeout), host, int(port), token
 
 
@@ -738,7 +740,7 @@ def _server(args: argparse.Namespace) -> int:
     from plexus.cluster.traffic import Traffic
     from plexus.ps.server import KEYS
     from plexus.ps.server_group import ServerGroup
-    store, _, _, _ = _job_store(args, "a server that joins")
+    store, _, _, _ = _job_store(args, "a server that joins", role="server")
     cfg = _ps_job(store, args.join, args.timeout or 60.0)
     if store.check([KEYS.drained(0)]):
         from plexus.errors import ConfigError
