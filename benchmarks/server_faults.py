@@ -42,10 +42,15 @@ FAULTS = {
     "server 1 drained (planned), no replication": {"replication": 0, "drain": "server:1@step=40"},
     "server 1 killed, no replication": {"replication": 0, "kill": "server:1@step=40"},
 }
+# tree-ps (4 workers, fanout 2: aggregators 0 and 1 under the root, two workers each):
+# aggregator 0 dies after forwarding 40 pushes.
+TREE = {f"tree-ps {v}": {"strategy": "tree-ps", "variant": v, "workers": 4, "servers": 1, "batch_size": 64}
+        for v in ("adv", "adv-star")}
+TREE_FAULTS = {"none": {}, "aggregator 0 killed": {"kill": "aggregator:0@step=40"}}
 
 
 def _row(out: Path, consistency: str, fault: str, calm: float | None) -> tuple[str, float | None]:
-    flags = {**BASE, **CONSISTENCY[consistency], **FAULTS[fault], "out": str(out)}
+    flags = {**BASE, **{**CONSISTENCY, **TREE}[consistency], **{**FAULTS, **TREE_FAULTS}[fault], "out": str(out)}
     try:
         s = plexus.run(flags)
     except JobFailed as exc:
@@ -65,15 +70,15 @@ def _row(out: Path, consistency: str, fault: str, calm: float | None) -> tuple[s
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=sorted(CONSISTENCY), help="one consistency model")
+    parser.add_argument("--only", choices=sorted({**CONSISTENCY, **TREE}), help="one consistency model, or tree")
     args = parser.parse_args()
     print("| consistency | fault | outcome | lost | takeover / first update after detection | drain: copy / "
           "switch | pushes sent again | ledger | final accuracy (no fault) |")
     print("|---|---|---|---|---|---|---:|---|---|")
     with tempfile.TemporaryDirectory() as scratch:
-        for consistency in [args.only] if args.only else list(CONSISTENCY):
+        for consistency in [args.only] if args.only else [*CONSISTENCY, *TREE]:
             calm = None
-            for i, fault in enumerate(FAULTS):
+            for i, fault in enumerate(TREE_FAULTS if consistency in TREE else FAULTS):
                 line, acc = _row(Path(scratch) / f"{consistency}-{i}", consistency, fault, calm)
                 if i == 0:
                     calm = acc

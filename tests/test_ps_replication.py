@@ -196,3 +196,16 @@ def test_a_server_joins_and_another_drains_into_it_mid_run(tmp_path):
     assert (move["shard"], move["from"], move["to"]) == (1, 1, 2)
     assert summary["lost_workers"] == [] and summary["updates_applied"] == summary["pushes_acknowledged"]
     _ledger_ok(summary)
+
+
+@pytest.mark.slow
+@pytest.mark.parallel
+@pytest.mark.parametrize("variant", ["adv", "adv-star"])
+def test_aggregator_kill_loses_only_unacknowledged_pushes(tmp_path, variant):
+    """The ledger under tree-ps: an aggregator's death loses at most the pushes in its
+    buffer that were never acknowledged, each counted, and nothing acknowledged."""
+    summary = plexus.run({**{k: v for k, v in BASE.items() if k not in ("servers", "replication", "batch_size")},
+                          "strategy": "tree-ps", "variant": variant, "workers": 4, "steps": 40,
+                          "kill": "aggregator:0@step=30", "out": str(tmp_path / variant)})
+    assert summary["lost_workers"] == [0, 1]
+    _ledger_ok(summary)

@@ -62,7 +62,7 @@ APPLIES: dict[str, tuple[str, ...]] = {
     "backup_workers": ("ps",),
     # the server group (ps/replication.py)
     "replication": ("ps",),
-    "ledger": ("ps",),
+    "ledger": ("ps", "tree-ps"),
     "drain": ("ps",),
     # Sandblaster L-BFGS (sandblaster/)
     "history": ("sandblaster",),

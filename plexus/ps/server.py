@@ -142,6 +142,7 @@ class _Payload:
     rows: torch.Tensor | None         # local row indices
     grads: torch.Tensor | None        # [len(rows), width]
     members: list[tuple[int, int]]    # (worker, version) of every gradient summed in ``dense``
+    clocks: list[int] = field(default_factory=list)   # each member's clock (its push's sequence number)
 
 
 @dataclass
@@ -421,7 +422,8 @@ class ParameterServer:
         """``--ledger``: the sum applied, against what the workers sent and had acknowledged."""
         if not self.cfg.strategy.ledger:
             return {}
-        workers = sorted(self.peers)
+        # The workers (a tree root's peers are aggregators), and any that joined.
+        workers = sorted(set(range(self.cfg.cluster.workers)) | (set() if self.tree else set(self.peers)))
         sent = sum(self.store.add(KEYS.ledger_sent(w), 0) for w in workers)
         acked = sum(self.store.add(KEYS.ledger_acked(self.index, w), 0) for w in workers)
         return {"ledger": {"final": self.ledger, "sent": sent, "acked": acked, "duplicates": self.duplicates}}
@@ -867,7 +869,8 @@ class ParameterServer:
                 return
             peer = self.peers[worker]
             members = self._members(worker, h, payloads[-1] if h.members else None)
-            push = Push(worker, peer.base + h.clock, h.version, _Payload(dense, rows, grads, members),
+            clocks = payloads[-1].view(h.members, MEMBER_FIELDS)[:, 1].tolist() if h.members else [h.clock]
+            push = Push(worker, peer.base + h.clock, h.version, _Payload(dense, rows, grads, members, clocks),
                         weight=len(members))
             expected = self.gate.clocks.get(worker)
             if (self.replicator is not None or self.recovery is not None) and expected is not None \
@@ -952,17 +955,17 @@ class ParameterServer:
 
     def _take_ledger(self, group: list[Push]) -> list[torch.Tensor]:
         """``--ledger``: add the code each push carries in the shard's first element to the
-        ledger, and return the dense gradients with that element zeroed (copies: a payload
-        may be a reused receive buffer or a shared-memory ring)."""
+        ledger (a tree push carries the sum of its members' codes), count a member whose
+        (worker, clock) was applied before, and return the dense gradients with that element
+        zeroed (copies: a payload may be a reused receive buffer or a shared-memory ring)."""
         out = []
         for p in group:
             dense = p.payload.dense.clone()
-            code = int(dense[0])
-            worker, seq = divmod(code, LEDGER_BASE)
-            if seq <= self.ledger_seq.get(worker, -1):
-                self.duplicates += 1
-            self.ledger_seq[worker] = max(seq, self.ledger_seq.get(worker, -1))
-            self.ledger += code
+            for (worker, _), clock in zip(p.payload.members, p.payload.clocks):
+                if clock <= self.ledger_seq.get(worker, -1):
+                    self.duplicates += 1
+                self.ledger_seq[worker] = max(clock, self.ledger_seq.get(worker, -1))
+            self.ledger += int(dense[0])
             dense[0] = 0
             out.append(dense)
         return out

@@ -146,6 +146,9 @@ class DownpourStrategy(Strategy):
         if s.ledger and c.workers > 16:
             raise ConfigError(f"ledger needs 16 workers or fewer, got {c.workers}: its codes worker x 10^6 + "
                               f"clock must stay integers that float32 holds exactly (below 2^24)")
+        if s.ledger and s.strategy == "tree-ps" and c.workers > 5:
+            raise ConfigError(f"ledger under tree-ps needs 5 workers or fewer, got {c.workers}: an aggregator "
+                              f"sums its children's codes, and the sum must stay below 2^24 to be exact")
         if c.peer_timeout >= c.timeout:
             raise ConfigError(f"peer_timeout must be shorter than timeout ({c.timeout:g} s), got "
                               f"{c.peer_timeout:g}: servers must drop a silent worker before the others' waits "
@@ -491,8 +494,7 @@ class DownpourStrategy(Strategy):
         else:
             reply = self.client.push(grad, self.clock, self.acc_versions)
         if code is not None:
-            for s in range(self.client.servers):
-                self.ctx.store.add(KEYS.ledger_acked(s, self.rank), code)
+            self._ledger_acked(code)
         self.clock += 1
         self.acc_count = 0
         if self.acc_dense is not None:
@@ -510,6 +512,11 @@ class DownpourStrategy(Strategy):
                 grad[start] = code
         self.ctx.store.add(KEYS.ledger_sent(self.rank), code)
         return code
+
+    def _ledger_acked(self, code: int) -> None:
+        """``--ledger``: every shard acknowledged the push that carried ``code``."""
+        for s in range(self.client.servers):
+            self.ctx.store.add(KEYS.ledger_acked(s, self.rank), code)
 
     def _pull_all(self) -> None:
         """Fetch every dense element and every row of the table."""

@@ -332,7 +332,9 @@ class _AsyncLearner:
         if not math.isfinite(value):
             self.pushed.release()  # nothing goes up
             return StepStats(loss=value)
-        self.outbox.put((w.gflat.clone(), w.clock, self.held))
+        grad = w.gflat.clone()
+        code = w._ledger_code(grad) if w.cfg.strategy.ledger else None
+        self.outbox.put((grad, w.clock, self.held, code))
         w.clock += 1
         w.steps += 1
         return StepStats(loss=value)
@@ -362,9 +364,11 @@ class _AsyncLearner:
             item = self.outbox.get()
             if item is None:
                 return
-            grad, clock, versions = item
+            grad, clock, versions, code = item
             with self.lock:
                 self.w.client.push(grad, clock, versions)
+            if code is not None:
+                self.w._ledger_acked(code)
             self.pushed.release()
 
     # --- weights straight from the servers ----------------------------------------------------
