@@ -147,7 +147,6 @@ def test_planned_drain_under_bsp_moves_the_shard_with_nothing_lost(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parallel
 def test_a_server_joins_and_another_drains_into_it_mid_run(tmp_path):
     """``plexus server --join`` adds a spare to a running job (the wrong token is refused),
     ``plexus drain`` moves server 1's shard into it, and the job finishes with every push
