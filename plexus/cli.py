@@ -3,7 +3,7 @@
     plexus train   [flags]            train one job, write a run directory
     plexus compare SPEC... [flags]    run several strategies on the same model, data and seed
     plexus report  DIR... [--out D]   plots and index.html from run directories
-    plexus worker  --join HOST:PORT   one more worker for a running ps job
+    plexus worker  --join HOST:PORT   one more worker for a running ps, sandblaster or elastic allreduce job
     plexus server  --join HOST:PORT   one more server (a spare) for a running ps job
     plexus drain   HOST:PORT --server S   move server S's shards away, training going on
     plexus bench   ddp|collectives    benchmarks that print tables
@@ -50,6 +50,8 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(g, "algorithm", help="all-reduce algorithm: native, ring, ...")
     _flag(g, "bucket-mb", type=float, help="gradient bucket size in MiB (default 25)")
     _flag(g, "local-size", type=int, help="ranks per group for the hier algorithm")
+    _flag(g, "elastic", action="store_const", const=True,
+          help="allreduce: when a worker dies the others re-form the group and go on; workers may join")
     g = parser.add_argument_group("parameter server (ps, tree-ps)")
     _flag(g, "consistency", choices=["bsp", "asp", "ssp", "softsync"], help="when servers apply pushes (default asp)")
     _flag(g, "staleness", type=int, help="SSP bound in clocks (default 0)")
@@ -779,14 +781,15 @@ def _drain(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    """``plexus worker --join HOST:PORT``: one more worker for a running ``ps`` or
-    ``sandblaster`` job. It reads
+    """``plexus worker --join HOST:PORT``: one more worker for a running ``ps``,
+    ``sandblaster`` or ``allreduce --elastic`` job. It reads
     the job's configuration from the store, takes the next free rank, and trains as the
     job's workers do, from the current weights."""
     import dataclasses
     from plexus.cluster.rendezvous import ProcessInfo
     from plexus.config import JobConfig
     from plexus.errors import ConfigError
+    from plexus.strategies.allreduce import AllReduceStrategy
     from plexus.strategies.downpour import DownpourStrategy
     from plexus.strategies.sandblaster import SandblasterStrategy
     from plexus.train.data import load_dataset
@@ -795,14 +798,16 @@ def _worker(args: argparse.Namespace) -> int:
     store, host, port, token = _job_store(args, "a worker that joins")
     args.timeout = 60.0 if given is None else given
     from plexus.train.job import JOB_KEY
-    joinable = {"ps": DownpourStrategy, "sandblaster": SandblasterStrategy}
+    joinable = {"ps": DownpourStrategy, "sandblaster": SandblasterStrategy, "allreduce": AllReduceStrategy}
     strategy = DownpourStrategy
     if store.check([JOB_KEY]):  # written by the launcher of every job (plexus train)
         job = json.loads(store.get(JOB_KEY).decode())
-        if job["strategy"] not in joinable:
-            raise ConfigError(f"the job at {args.join} runs strategy {job['strategy']}, which admits no workers "
-                              f"after the start: joining works for --strategy ps jobs with --consistency asp, "
-                              f"ssp or softsync, and for sandblaster; start such a job to add workers to it")
+        if job["strategy"] not in joinable or (job["strategy"] == "allreduce" and not job.get("elastic")):
+            raise ConfigError(f"the job at {args.join} runs strategy {job['strategy']}"
+                              f"{' without --elastic' if job['strategy'] == 'allreduce' else ''}, which admits no "
+                              f"workers after the start: joining works for --strategy ps jobs with --consistency "
+                              f"asp, ssp or softsync, for sandblaster, and for allreduce --elastic; start such a job "
+                              f"to add workers to it")
         strategy = joinable[job["strategy"]]
     record = strategy.job_record(store, args.timeout)
     cfg = JobConfig.from_dict(record["config"])

@@ -244,7 +244,7 @@ def test_join_to_an_allreduce_job_says_joining_is_for_ps(capsys, monkeypatch):
                                                                             "consistency": "asp"})
     monkeypatch.setenv("PLEXUS_TOKEN", "tok")
     result = _main(capsys, "worker", "--join", f"127.0.0.1:{store.port}", "--timeout", "5")
-    assert_usage_error(result, "runs strategy allreduce", "--strategy ps", "asp, ssp or softsync")
+    assert_usage_error(result, "runs strategy allreduce without --elastic", "--strategy ps", "asp, ssp or softsync")
     # A wrong token: the joiner has no rank yet, and is not called "worker -1".
     monkeypatch.setenv("PLEXUS_TOKEN", "other")
     result = _main(capsys, "worker", "--join", f"127.0.0.1:{store.port}", "--timeout", "5")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from typing import Callable
 import time
 from contextlib import contextmanager
 from typing import Iterator
@@ -32,6 +33,8 @@ class Emulator:
                 self.factor = spec.factor
         self.kill_step = min((k.step for k in cluster.kill if k.role == role and k.rank == rank), default=None)
         self.slept = 0.0
+        # Called just before a planned kill (the runner records the time of death).
+        self.before_kill: Callable[[], None] | None = None
 
     def stretch(self, compute_seconds: float) -> None:
         """Sleep so that a compute interval of ``compute_seconds`` lasts ``factor`` times as long."""
@@ -51,5 +54,7 @@ class Emulator:
         """Die abruptly if this is the planned step."""
         if self.kill_step is not None and step >= self.kill_step:
             logger.warning("%s: killed on purpose at step %d (--kill)", self.name, step)
+            if self.before_kill is not None:
+                self.before_kill()
             logging.shutdown()
             os.kill(os.getpid(), signal.SIGKILL)

@@ -24,7 +24,7 @@ import time
 from plexus.cluster.rendezvous import route_address
 from plexus.errors import CommError
 
-__all__ = ["Pulse", "silent", "explain_loss", "PERIOD"]
+__all__ = ["Pulse", "silent", "explain_loss", "exited_key", "PERIOD"]
 
 
 PERIOD = 0.5  # seconds between beats
@@ -92,6 +92,12 @@ class Pulse:
         self.stopped.set()
         for thread in self.threads:
             thread.join(timeout=2 * PERIOD)
+
+
+def exited_key(name: str) -> str:
+    """Where the local launcher records when process ``name`` (``worker 2``) exited with
+    an error: survivors learn of a death there at once, without watching pulses."""
+    return f"exited/{name}"
 
 
 def silent(store, names: list[str], watch: float = _WATCH) -> list[str]:

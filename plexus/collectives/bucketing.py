@@ -103,6 +103,16 @@ class GradientBuckets:
             handle.wait()
         self._handles = []
 
+    def abandon(self) -> None:
+        """After ``finish`` raised: wait for the other buckets' calls to end (each
+        completes or fails as its peers drop the broken group), ignoring their errors."""
+        for handle in self._handles:
+            try:
+                handle.wait()
+            except Exception:  # noqa: BLE001 - the first error is the one reported
+                pass
+        self._handles = []
+
     @property
     def numel(self) -> int:
         return sum(b.buffer.numel() for b in self.buckets)

@@ -255,6 +255,9 @@ class StrategyConfig:
     # Gradient bucket size in MiB: each bucket's all-reduce starts as soon as its
     # gradients are ready during backward.
     bucket_mb: float = 25.0
+    # allreduce: survivors of a lost worker re-form the group and go on with the global
+    # batch split over fewer workers; workers may join at a step boundary (strategies/elastic.py).
+    elastic: bool = False
     # Ranks per group for the hierarchical all-reduce (hier); 0 means ranks per machine.
     local_size: int = 0
 

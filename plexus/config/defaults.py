@@ -82,6 +82,11 @@ TABLE: tuple[Rule, ...] = (
              "batch optimisation wants a large batch: one at least the training set (digits 1438, mnist1d "
              "8000) is full-batch L-BFGS; full-batch L-BFGS overfits digits' MLP without an L2 term (94 % "
              "against 97-98 % with 1e-4 at 200-300 iterations, torch.optim.LBFGS strong_wolfe)"),
+    Rule(label=lambda flat: "allreduce --elastic",
+         applies=lambda flat: _get(flat, "strategy") == "allreduce" and bool(_get(flat, "elastic")),
+         values={"algorithm": "ring"},
+         why="a survivor can abandon an all-reduce made of point-to-point messages halfway, not the "
+             "backend's native collective (strategies/elastic.py); ring sends the fewest bytes of those"),
     Rule(label=lambda flat: "ps/ssp",
          applies=lambda flat: _get(flat, "strategy") == "ps" and _get(flat, "consistency") == "ssp",
          values={"staleness": 2},

@@ -19,36 +19,99 @@ ddp``, went from about 0.7 to parity with a small MLP on 2 workers):
 """
 from __future__ import annotations
 
+import logging
+import os
+import time
 from typing import Any
 
 import torch
 
+from plexus.cluster.group import Group
+from plexus.cluster.liveness import exited_key
+from plexus.cluster.rendezvous import store_get_json, store_set_json, wait_keys
 from plexus.collectives import get_algorithm
 from plexus.collectives.base import Handle
 from plexus.config import JobConfig
 from plexus.collectives.bucketing import GradientBuckets
+from plexus.errors import CommError, ConfigError
 from plexus.strategies.base import Context, LossFn, Strategy, StepStats, make_optimizer
+from plexus.strategies.elastic import ELASTIC_ALGORITHMS, JOB_KEY, RANKS_KEY, Membership, Regrouped, discard
 
 __all__ = ["AllReduceStrategy"]
+
+logger = logging.getLogger(__name__)
 
 
 class AllReduceStrategy(Strategy):
     name = "allreduce"
     synchronous = True
 
+    @classmethod
+    def check_config(cls, cfg: JobConfig) -> None:
+        if cfg.strategy.elastic and cfg.strategy.algorithm not in ELASTIC_ALGORITHMS:
+            raise ConfigError(f"--elastic cannot re-form the group under --algorithm {cfg.strategy.algorithm}: "
+                              f"it can with {', '.join(ELASTIC_ALGORITHMS)} (point-to-point messages, which a "
+                              f"survivor can abandon halfway; native's run in the backend's own threads)")
+
+    @classmethod
+    def tolerates_loss(cls, cfg: JobConfig, role: str, rank: int) -> bool:
+        return role == "worker" and cfg.strategy.elastic
+
+    # --- workers that join (plexus worker --join) ---------------------------------------
+
+    @classmethod
+    def job_record(cls, store, timeout: float) -> dict[str, Any]:
+        """The running job's configuration and run directory, as worker 0 published them."""
+        wait_keys(store, [JOB_KEY], timeout, "worker 0 of an --elastic allreduce job")
+        return store_get_json(store, JOB_KEY)
+
+    @classmethod
+    def joined_workers(cls, store) -> int:
+        return int(store.add(RANKS_KEY, 0))
+
+    @classmethod
+    def admit(cls, store, cfg: JobConfig) -> int:
+        """A rank for a worker that joins: the leader adds it at the next step boundary."""
+        if not cfg.strategy.elastic:
+            raise ConfigError("an allreduce job admits workers only with --elastic: its group is fixed otherwise")
+        return cfg.cluster.workers + int(store.add(RANKS_KEY, 1)) - 1
+
     def setup(self, model: torch.nn.Module, loss_fn: LossFn, ctx: Context) -> None:
         self.model = model
         self.loss_fn = loss_fn
         self.ctx = ctx
-        self.group = ctx.worker_group()
-        algorithm = get_algorithm(ctx.cfg.strategy.algorithm, ctx.cfg.strategy)
-        self.algorithm = algorithm
+        self.algorithm = get_algorithm(ctx.cfg.strategy.algorithm, ctx.cfg.strategy)
         bucket_bytes = int(ctx.cfg.strategy.bucket_mb * 2**20)
         self.buckets = GradientBuckets(list(model.parameters()), bucket_bytes, self._launch)
-        # One checked, reusable mean all-reduce per bucket buffer, in bucket order on every rank.
-        self.reductions = {id(b.buffer): algorithm.persistent(b.buffer, self.group, "mean")
-                           for b in self.buckets.buckets}
         self.optimizer = make_optimizer(model.parameters(), ctx.cfg.optim)
+        self.membership: Membership | None = None
+        self.steps = 0
+        if ctx.cfg.strategy.elastic:
+            rank = ctx.info.rank
+            if rank == 0:  # what a worker that joins reads first (plexus worker --join)
+                store_set_json(ctx.store, JOB_KEY, {"config": ctx.cfg.to_dict(),
+                                                    "run_dir": os.environ.get("PLEXUS_RUN_DIR")})
+            self.membership = Membership(ctx.store, rank, ctx.info.world_size, ctx.cfg.cluster.timeout)
+            self.recoveries: list[dict[str, Any]] = []
+            self._failed_at: float | None = None
+            self._steps_before = 0
+            if rank >= ctx.info.world_size:  # a worker that joined: it enters at the next generation
+                self._regroup(-1)
+                return
+        self._attach(ctx.worker_group() if self.membership is None else self._generation_group())
+
+    def _generation_group(self) -> Group:
+        gen = self.membership.current
+        return Group(self.ctx.store, f"workers-g{gen.number}", gen.members.index(self.ctx.info.rank),
+                     [f"worker {r}" for r in gen.members], traffic=self.ctx.traffic,
+                     timeout=self.ctx.cfg.cluster.timeout, backend=self.ctx.backend, net=self.ctx.cfg.cluster.net)
+
+    def _attach(self, group: Group) -> None:
+        """Reduce the buckets over ``group`` from now on."""
+        self.group = group
+        # One checked, reusable mean all-reduce per bucket buffer, in bucket order on every rank.
+        self.reductions = {id(b.buffer): self.algorithm.persistent(b.buffer, group, "mean")
+                           for b in self.buckets.buckets}
 
     def _launch(self, buffer: torch.Tensor, last: bool) -> Handle:
         """Start the mean all-reduce of one bucket; the last one runs in this thread."""
@@ -62,32 +125,134 @@ class AllReduceStrategy(Strategy):
         self.buckets.zero()
         with self.ctx.emulator.compute():
             loss = self.loss_fn(self.model, x, y)
-            loss.backward()
-        self.buckets.finish()
+            if self.membership is None:
+                loss.backward()
+            else:  # shares differ when P does not divide B: weight each by its size
+                (loss * (len(x) * self.membership.size / self.ctx.cfg.run.batch_size)).backward()
+        if self.membership is None:
+            self.buckets.finish()
+        else:
+            failure = None
+            try:
+                self.buckets.finish()
+            except CommError as exc:
+                failure = str(exc)  # recover outside: the traceback's frames hold the broken group
+            if failure is not None:
+                self._recover(failure)
+                # The step is done when the reference had finished it (its state was adopted).
+                raise Regrouped(completed=self.steps > self._steps_before, loss=loss.item())
         self.optimizer.step()
+        self.steps += 1
+        if self.membership is not None and self._failed_at is not None:
+            self.recoveries[-1]["first_step_seconds"] = time.time() - self._failed_at
+            self._failed_at = None
         return StepStats(loss=loss.item())
+
+    # --- elastic ------------------------------------------------------------------------
+
+    def first_step(self) -> int:
+        return self.steps
+
+    def share(self, step: int, rank: int, workers: int) -> tuple[int, int]:
+        if self.membership is None:
+            return rank, workers
+        self.membership.plan_growth(step)
+        if self.membership.growth_due(step) is not None:
+            self._failed_at = time.time()  # the pause, up to the first step after it
+            self._regroup(self.steps)
+        return self.membership.index, self.membership.size
+
+    def _recover(self, failure: str) -> None:
+        """After a failed collective: let the other buckets' calls end, drop the broken
+        group and form the next generation (strategies/elastic.py)."""
+        self._failed_at = time.time()  # when this worker saw it
+        logger.warning("%s; re-forming the group", failure)
+        self.buckets.abandon()
+        self._steps_before = self.steps
+        self._regroup(self.steps, cause=failure)
+
+    def _regroup(self, steps_done: int, cause: str | None = None) -> None:
+        old = getattr(self, "group", None)
+        self.group, self.reductions = None, {}
+        if old is not None:
+            discard(old)
+        while True:
+            gen = self.membership.next(steps_done)
+            try:
+                self._attach(self._generation_group())
+                break
+            except CommError as exc:  # a member died while the group formed: once more without it
+                logger.warning("worker %d: %s; re-forming the group again", self.ctx.info.rank, exc)
+                self.group, self.reductions = None, {}
+        self.steps = self.membership.share_state(self.model, self.optimizer, max(steps_done, 0))
+        event = {**self.membership.history[-1], "step": self.steps, "cause": cause}
+        lost = event["lost"]
+        exited = [float(self.ctx.store.get(exited_key(f"worker {r}")).decode()) for r in lost
+                  if self.ctx.store.check([exited_key(f"worker {r}")])]
+        if exited and self._failed_at is not None:
+            # Recovery counts from the death the launcher saw, not from its detection here.
+            event["detect_seconds"] = max(0.0, self._failed_at - min(exited))
+            self._failed_at = min(exited)
+        self.recoveries.append(event)
+        logger.warning("worker %d: generation %d of the group: workers %s (lost %s, joined %s) at step %d",
+                       self.ctx.info.rank, gen.number, gen.members, lost or "none", event["joined"] or "none",
+                       self.steps)
 
     def global_model(self) -> torch.nn.Module:
         return self.model
 
     def agree(self, flag: bool) -> bool:
         votes = torch.tensor([1.0 if flag else 0.0], device=self.ctx.device)
-        self.group.all_reduce_backend(votes, count_bytes=0).wait()
+        if self.membership is None:
+            self.group.all_reduce_backend(votes, count_bytes=0).wait()
+            return bool(votes.item() > 0)
+        failure = None
+        try:  # the backend's collective cannot be abandoned halfway: the algorithm's can
+            self.algorithm(votes, self.group, "sum")
+        except CommError as exc:
+            failure = str(exc)
+        if failure is not None:
+            self._recover(failure)
+            return self.agree(flag)
         return bool(votes.item() > 0)
 
+    def evaluates(self, rank: int) -> bool:
+        return rank == (0 if self.membership is None else self.membership.current.leader)
+
+    def final_model(self, rank: int) -> torch.nn.Module | None:
+        return self.model if self.evaluates(rank) else None
+
     def final_record(self) -> dict[str, Any]:
-        """``--algorithm auto``: the choice per bucket size and its reason."""
+        """``--algorithm auto``: the choice per bucket size and its reason; ``--elastic``:
+        the generations this worker saw."""
+        record: dict[str, Any] = {}
         decisions = getattr(self.algorithm, "decisions", None)
-        return {"auto_decisions": decisions()} if decisions is not None else {}
+        if decisions is not None:
+            record["auto_decisions"] = decisions()
+        if self.membership is not None:
+            record["elastic"] = {"generation": self.membership.current.number,
+                                 "members": self.membership.current.members, "regroups": self.recoveries}
+        return record
 
     @classmethod
     def summary_fields(cls, cfg: JobConfig, records: dict[str, Any]) -> dict[str, Any]:
-        worker0 = records["worker"].get(0, {})
-        if "auto_decisions" not in worker0:
-            return {}
-        return {"auto_decisions": worker0["auto_decisions"],
-                "auto_chose": sorted({d["chose"] for d in worker0["auto_decisions"]})}
+        fields: dict[str, Any] = {}
+        workers = records["worker"]
+        worker0 = workers.get(0, {})
+        if "auto_decisions" in worker0:
+            fields.update(auto_decisions=worker0["auto_decisions"],
+                          auto_chose=sorted({d["chose"] for d in worker0["auto_decisions"]}))
+        if cfg.strategy.elastic:
+            # The regroups as the final generation's leader saw them (it saw every one).
+            final = [w["elastic"] for w in workers.values() if "elastic" in w]
+            last = max(final, key=lambda e: (e["generation"], -min(e["members"])), default=None)
+            if last is not None:
+                fields["elastic"] = {"generations": last["generation"] + 1, "final_members": last["members"],
+                                     "regroups": [{k: v for k, v in e.items() if k != "cause"}
+                                                  for e in last["regroups"]]}
+        return fields
 
     def close(self) -> None:
         self.buckets.remove()
-        self.group.close()
+        if self.group is not None:
+            self.group.close()

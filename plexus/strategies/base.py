@@ -158,6 +158,17 @@ class Strategy(ABC):
         pick the batches (contracts 1 and 2)."""
         return None
 
+    def first_step(self) -> int:
+        """The step this worker starts at: 0, or the job's current step for a worker that
+        joined a synchronous group (elastic all-reduce), known once ``setup`` returns."""
+        return 0
+
+    def share(self, step: int, rank: int, workers: int) -> tuple[int, int]:
+        """(index, count): this worker trains on slice ``index`` of ``count`` of global
+        batch ``step`` (synchronous strategies). Called at each step boundary; an elastic
+        group may re-form here, before the step, when workers join."""
+        return rank, workers
+
     def agree(self, flag: bool) -> bool:
         """True when any worker's ``flag`` is true, known to all of them (used to stop
         together on a time limit or target accuracy)."""

@@ -47,8 +47,11 @@ class GlobalBatches:
         return self._perm[within * self.batch_size: (within + 1) * self.batch_size]
 
     def worker_indices(self, step: int, rank: int, workers: int) -> torch.Tensor:
-        share = self.batch_size // workers
-        return self.indices(step)[rank * share: (rank + 1) * share]
+        """Slice ``rank`` of ``workers`` contiguous slices of global batch ``step``: B/P
+        samples each, or, where P does not divide B (an elastic group that lost a worker),
+        floor or ceil of B/P, the whole batch covered."""
+        lo, hi = rank * self.batch_size // workers, (rank + 1) * self.batch_size // workers
+        return self.indices(step)[lo:hi]
 
 
 class PartitionBatches:

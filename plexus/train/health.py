@@ -75,6 +75,11 @@ class Health:
                 return self._become("ok", step)
         return None
 
+    def baseline(self, loss: float) -> None:
+        """Judge against ``loss`` as the start, for a worker that joined a job midway (its
+        first losses are the job's current ones, not the job's start)."""
+        self._first = [loss] * self.window
+
     def diverged(self, step: int) -> None:
         """A non-finite loss at ``step``: diverging, whatever came before."""
         self._become("diverging", step)

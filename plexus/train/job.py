@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from plexus.cluster.launcher import RoleSpec, launch
-from plexus.cluster.liveness import Pulse, explain_loss
+from plexus.cluster.liveness import Pulse, exited_key, explain_loss
 from plexus.cluster.rendezvous import (ProcessInfo, connect_store, first_line, gloo_interface_towards,
                                        host_store, job_namespace, new_token, store_set_json)
 from plexus.collectives import get_algorithm
@@ -134,7 +134,8 @@ def run_local(cfg: JobConfig, poll: Callable[[Path, StartupProbe], None] | None 
     store = host_store(cfg.cluster.host, cfg.cluster.port, token, cfg.cluster.timeout)
     # What a `plexus worker --join` asks first: whether this job can take one more worker.
     store_set_json(_job_store(store, token), JOB_KEY, {"strategy": cfg.strategy.strategy,
-                                                       "consistency": cfg.strategy.consistency})
+                                                       "consistency": cfg.strategy.consistency,
+                                                       "elastic": cfg.strategy.elastic})
     cache = Path(tempfile.mkdtemp(prefix="plexus-data-"))
     try:
         save_dataset(data, cache)
@@ -154,6 +155,9 @@ def run_local(cfg: JobConfig, poll: Callable[[Path, StartupProbe], None] | None 
 
         def on_exit(spec: RoleSpec, code: int) -> None:
             if code != 0:
+                # When, for survivors that re-form without it (strategies/elastic.py).
+                # (A --kill records its own time of death there first; that one stands.)
+                _job_store(store, token).compare_set(exited_key(f"{spec.role} {spec.rank}"), "", repr(time.time()))
                 lost.setdefault(spec.role, []).append(spec.rank)
                 if not cls.tolerates_loss(cfg, spec.role, spec.rank):
                     failures.append(f"{spec.role} {spec.rank}")

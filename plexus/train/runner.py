@@ -16,12 +16,15 @@ import numpy as np
 import torch
 
 from plexus.cluster.emulation import Emulator
+from plexus.cluster.liveness import exited_key
 from plexus.cluster.rendezvous import ProcessInfo, store_barrier, store_set_json, wait_keys
 from plexus.cluster.traffic import Traffic
 from plexus.config import JobConfig
 from plexus.config.defaults import is_asynchronous
 from plexus.errors import PlexusError
 from plexus.strategies import Context, RoleContext, create_strategy, strategy_class
+from plexus.strategies.base import StepStats
+from plexus.strategies.elastic import Regrouped
 from plexus.train.batches import GlobalBatches, PartitionBatches, UnitBatches
 from plexus.train.budget import UpdateBudget
 from plexus.train.data import Dataset, load_dataset
@@ -110,6 +113,8 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
         data, model = data.to_dtype(torch.float64), model.double()
     traffic = Traffic()
     emulator = Emulator(cfg.cluster, "worker", info.rank)
+    # A planned kill's time of death, for survivors that measure their recovery from it.
+    emulator.before_kill = lambda: store.set(exited_key(info.name), repr(time.time()))
     strategy = create_strategy(cfg.strategy.strategy)
     log = MetricsLog(run_dir)
     ctx = Context(info=info, store=store, cfg=cfg, traffic=traffic, emulator=emulator, device=device,
@@ -193,7 +198,11 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
         budget = UpdateBudget.open(store, limit, workers, numbered=dynamic) if strategy.shares_budget(cfg) else None
         if budget is not None:
             limit = budget.total if budget.take() else 0
-        for step in range(limit):
+        first = strategy.first_step()
+        steps_done = first
+        if first and health.chance_loss is not None:
+            health.baseline(health.chance_loss)  # joined midway: the job started at chance
+        for step in range(first, limit):
             emulator.at_step(step)
             if units is not None:
                 idx = units.next()
@@ -207,12 +216,20 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
                     break  # the job has made its steps, with or without this worker
                 idx = batches.worker_indices(at, rank, workers)
             elif strategy.synchronous:
-                idx = batches.worker_indices(step, rank, workers)
+                idx = batches.worker_indices(step, *strategy.share(step, rank, workers))
             else:
                 idx = batches.indices(step)
-            x, y = data.x_train[idx].to(device, non_blocking=True), data.y_train[idx].to(device, non_blocking=True)
-            with timer.stepping():
-                stats = strategy.step(x, y)
+            while True:
+                x, y = data.x_train[idx].to(device, non_blocking=True), data.y_train[idx].to(device, non_blocking=True)
+                try:
+                    with timer.stepping():
+                        stats = strategy.step(x, y)
+                    break
+                except Regrouped as again:  # an elastic group lost a worker during the step
+                    if again.completed:
+                        stats = StepStats(loss=again.loss)
+                        break
+                    idx = batches.worker_indices(step, *strategy.share(step, rank, workers))
             loss = stats.loss
             steps_done = step + 1
             if budget is not None and not budget.take():
