@@ -151,7 +151,8 @@ def run_local(cfg: JobConfig, poll: Callable[[Path, StartupProbe], None] | None 
         signals: list[int] = []  # the launcher's own SIGINT/SIGTERM: the user stopped the job
         phases.done("prepare")
 
-        failures: list[str] = []   # processes whose failure the job cannot survive, in order
+        # Processes whose failure the job cannot survive, with their exit status, in order.
+        failures: list[tuple[str, int]] = []
 
         def on_exit(spec: RoleSpec, code: int) -> None:
             if code != 0:
@@ -160,7 +161,7 @@ def run_local(cfg: JobConfig, poll: Callable[[Path, StartupProbe], None] | None 
                 _job_store(store, token).compare_set(exited_key(f"{spec.role} {spec.rank}"), "", repr(time.time()))
                 lost.setdefault(spec.role, []).append(spec.rank)
                 if not cls.tolerates_loss(cfg, spec.role, spec.rank):
-                    failures.append(f"{spec.role} {spec.rank}")
+                    failures.append((f"{spec.role} {spec.rank}", code))
 
         # The job's own timeouts end it; this outer limit only catches what they cannot.
         limit = None if cfg.run.time_limit is None else cfg.run.time_limit + 10 * cfg.cluster.timeout
@@ -182,7 +183,12 @@ def run_local(cfg: JobConfig, poll: Callable[[Path, StartupProbe], None] | None 
         raise JobInterrupted(f"interrupted by {name}{done}; what was measured so far is in "
                              f"{run_dir / 'summary.json'} (status interrupted)", signals[0])
     if status != 0:
-        what = f"{failures[0]} exited with status {status}" if failures else f"status {status}"
+        what = f"status {status}"
+        if failures:
+            # The first to die, by the times in the store: a peer that failed on losing it
+            # may be seen exiting first (a planned kill records its own time of death).
+            first, status = min(failures, key=lambda f: _exit_time(_job_store(store, token), f[0]))
+            what = f"{first} exited with status {status}"
         failed = JobFailed(f"the job failed ({what}); see the messages above", exit_code=status)
     elif len(lost.get("worker", [])) == cfg.cluster.workers:
         failed = JobFailed(f"every worker was lost ({cfg.cluster.workers} of {cfg.cluster.workers}); "
@@ -197,6 +203,11 @@ def run_local(cfg: JobConfig, poll: Callable[[Path, StartupProbe], None] | None 
     phases.done("summary")
     phases.log(summary.get("wall_seconds"))
     return run_dir, summary
+
+
+def _exit_time(store: dist.Store, name: str) -> float:
+    key = exited_key(name)
+    return float(store.get(key).decode()) if store.check([key]) else float("inf")
 
 
 class _Phases:
