@@ -202,6 +202,11 @@ def test_net_emulation_delays_sends():
 def test_flag_parsing():
     assert parse_slow("worker:0=4,worker:2=1.5")[1].factor == 1.5
     assert parse_kill("worker:1@step=50")[0].step == 50
+    timed = parse_kill("coordinator:0@time=1.5s,server:1@time=2")
+    assert [(k.role, k.seconds, k.step) for k in timed] == [("coordinator", 1.5, None), ("server", 2.0, None)]
+    for bad in ("worker:1@step=x", "worker:1@when=3", "worker:1"):
+        with pytest.raises(ConfigError, match="@step=N or @time=SECONDS"):
+            parse_kill(bad)
     net = parse_net("bandwidth=100mbit,latency=2ms")
     assert net.bandwidth == 12.5e6 and net.latency == 0.002
     assert net.delay(12_500_000) == pytest.approx(1.002)

@@ -128,3 +128,14 @@ def test_elastic_bad_input_is_one_line_and_status_2(args, words):
     assert result.returncode == 2 and len(err.splitlines()) == 1, err
     for word in words:
         assert word in err, err
+
+
+@pytest.mark.parallel
+def test_a_timed_kill_ends_a_process_that_counts_no_steps_and_the_job_names_it(tmp_path):
+    """``--kill ROLE:K@time=S``: easgd's centre server dies a second into training."""
+    result = subprocess.run([PY, "-m", "plexus.cli", "train", "--strategy", "easgd", "--workers", "2", "--steps",
+                             "100000", "--kill", "server:0@time=1", "--dataset", "digits", "--timeout", "30",
+                             "--out", str(tmp_path), "--quiet"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 137, result.stderr[-2000:]
+    assert "killed on purpose 1 s after training started" in result.stderr
+    assert "the job failed (server 0 exited with status 137)" in result.stderr

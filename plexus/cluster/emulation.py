@@ -2,7 +2,8 @@
 
 ``--slow worker:K=F`` stretches worker K's compute by sleeping (F - 1) times each measured
 compute interval, which frees the CPU for the others on a small machine. ``--kill
-worker:K@step=N`` ends process K abruptly (SIGKILL, no clean-up) when it reaches step N.
+worker:K@step=N`` ends process K abruptly (SIGKILL, no clean-up) when it reaches step N;
+``--kill ROLE:K@time=S`` ends any process S seconds after training started.
 Network delays (``--net``) are applied per send in ``group.py``.
 """
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 from typing import Callable
 import time
 from contextlib import contextmanager
@@ -31,7 +33,9 @@ class Emulator:
         for spec in cluster.slow:
             if spec.role == role and spec.rank == rank:
                 self.factor = spec.factor
-        self.kill_step = min((k.step for k in cluster.kill if k.role == role and k.rank == rank), default=None)
+        mine = [k for k in cluster.kill if k.role == role and k.rank == rank]
+        self.kill_step = min((k.step for k in mine if k.step is not None), default=None)
+        self.kill_seconds = min((k.seconds for k in mine if k.seconds is not None), default=None)
         self.slept = 0.0
         # Called just before a planned kill (the runner records the time of death).
         self.before_kill: Callable[[], None] | None = None
@@ -53,8 +57,23 @@ class Emulator:
     def at_step(self, step: int) -> None:
         """Die abruptly if this is the planned step."""
         if self.kill_step is not None and step >= self.kill_step:
-            logger.warning("%s: killed on purpose at step %d (--kill)", self.name, step)
-            if self.before_kill is not None:
-                self.before_kill()
-            logging.shutdown()
-            os.kill(os.getpid(), signal.SIGKILL)
+            self._die(f"at step {step}")
+
+    def arm_timer(self, started: Callable[[], float]) -> None:
+        """Die ``--kill ROLE:K@time=S`` seconds after training starts: ``started()`` blocks
+        until it knows when (a wall-clock time), on a daemon thread."""
+        if self.kill_seconds is None:
+            return
+
+        def fire() -> None:
+            time.sleep(max(0.0, started() + self.kill_seconds - time.time()))
+            self._die(f"{self.kill_seconds:g} s after training started")
+
+        threading.Thread(target=fire, name="plexus-kill", daemon=True).start()
+
+    def _die(self, when: str) -> None:
+        logger.warning("%s: killed on purpose %s (--kill)", self.name, when)
+        if self.before_kill is not None:
+            self.before_kill()
+        logging.shutdown()
+        os.kill(os.getpid(), signal.SIGKILL)

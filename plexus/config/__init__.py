@@ -109,11 +109,17 @@ class SlowSpec:
 
 @dataclass(kw_only=True, frozen=True)
 class KillSpec:
-    """``--kill worker:K@step=N``: process ``role`` ``rank`` dies abruptly at step ``step``."""
+    """``--kill worker:K@step=N``: process ``role`` ``rank`` dies abruptly at step ``step``;
+    ``--kill coordinator:0@time=S``: ``seconds`` after training starts (any process)."""
 
     role: str
     rank: int
-    step: int
+    step: int | None = None
+    seconds: float | None = None
+
+    @property
+    def when(self) -> str:
+        return f"step={self.step}" if self.step is not None else f"time={self.seconds:g}"
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -130,7 +136,7 @@ class NetSpec:
         return self.latency + (nbytes / self.bandwidth if self.bandwidth else 0.0)
 
 
-_ROLES = ("worker", "server", "aggregator")
+_ROLES = ("worker", "server", "aggregator", "coordinator")
 
 
 def _split_role(text: str, flag: str, example: str) -> tuple[str, int, str]:
@@ -159,8 +165,11 @@ def parse_kill(text: str) -> tuple[KillSpec, ...]:
     for part in filter(None, text.split(",")):
         role, rank, rest = _split_role(part, "kill", "worker:1@step=50")
         m = re.fullmatch(r"@step=(\d+)", rest)
-        _require(m is not None, "--kill", "must say when, as @step=N", part, "write worker:K@step=N")
-        specs.append(KillSpec(role=role, rank=rank, step=int(m.group(1))))
+        t = re.fullmatch(r"@time=([0-9]*\.?[0-9]+)s?", rest)
+        _require(m is not None or t is not None, "--kill", "must say when, as @step=N or @time=SECONDS", part,
+                 "write worker:K@step=N, or ROLE:K@time=S for S seconds after training starts")
+        specs.append(KillSpec(role=role, rank=rank, step=int(m.group(1))) if m is not None
+                     else KillSpec(role=role, rank=rank, seconds=float(t.group(1))))
     return tuple(specs)
 
 

@@ -61,7 +61,8 @@ def _text(value: Any) -> str:
         if not value:
             return "none"
         if all(isinstance(v, dict) and {"role", "rank"} <= v.keys() for v in value):
-            return ",".join(f"{v['role']}:{v['rank']}" + (f"@step={v['step']}" if "step" in v else "")
+            return ",".join(f"{v['role']}:{v['rank']}" + (f"@step={v['step']}" if v.get("step") is not None else "")
+                            + (f"@time={v['seconds']:g}" if v.get("seconds") is not None else "")
                             + (f"={v['factor']:g}" if "factor" in v else "") for v in value)
     if isinstance(value, dict) and set(value) == {"bandwidth", "latency"}:
         if value["bandwidth"] is None and not value["latency"]:

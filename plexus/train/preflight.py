@@ -44,7 +44,7 @@ def check_applies(cfg: JobConfig) -> None:
 
 def _spec_text(spec: KillSpec | SlowSpec) -> str:
     if isinstance(spec, KillSpec):
-        return f"--kill {spec.role}:{spec.rank}@step={spec.step}"
+        return f"--kill {spec.role}:{spec.rank}@{spec.when}"
     return f"--slow {spec.role}:{spec.rank}={spec.factor:g}"
 
 
@@ -62,19 +62,23 @@ def check_roles(cfg: JobConfig) -> None:
         text = _spec_text(spec)
         count = roles.get(spec.role, 0)
         if count == 0:
-            why = {"server": "servers belong to ps, tree-ps and easgd",
-                   "aggregator": "aggregators belong to tree-ps --variant adv or adv-star"}[spec.role]
-            instead = (KillSpec(role="worker", rank=0, step=spec.step) if isinstance(spec, KillSpec)
+            why = {"server": "servers belong to ps, tree-ps, easgd and sandblaster",
+                   "aggregator": "aggregators belong to tree-ps --variant adv or adv-star",
+                   "coordinator": "the coordinator belongs to sandblaster"}[spec.role]
+            instead = (KillSpec(role="worker", rank=0, step=spec.step, seconds=spec.seconds)
+                       if isinstance(spec, KillSpec)
                        else SlowSpec(role="worker", rank=0, factor=spec.factor))
             raise ConfigError(f"{text}: strategy {strategy} has no {spec.role}s ({why}): name a worker instead, "
                               f"e.g. {_spec_text(instead)}")
         if spec.rank >= count:
             raise ConfigError(f"{text}: strategy {strategy} has {count} {spec.role}(s) here, ranks 0 to {count - 1}: "
                               f"pick a rank below {count}")
-        if isinstance(spec, KillSpec) and spec.role == "server" and strategy != "ps":
+        if isinstance(spec, KillSpec) and spec.step is not None and spec.role not in ("worker", "aggregator") \
+                and not (spec.role == "server" and strategy == "ps"):
             raise ConfigError(f"{text}: {strategy}'s servers count no steps, so a planned kill would never fire: "
-                              f"kill a worker (any strategy), an aggregator (tree-ps) or a ps server (killed once "
-                              f"its shard reaches that version), e.g. --kill worker:0@step={spec.step}")
+                              f"kill it at a time instead (--kill {spec.role}:{spec.rank}@time=2: two seconds after "
+                              f"training starts), or a worker (any strategy), an aggregator (tree-ps) or a ps "
+                              f"server (killed once its shard reaches that version) at a step")
         if isinstance(spec, SlowSpec) and not (spec.role == "server" and strategy == "easgd"):
             raise ConfigError(f"{text}: only workers and easgd's centre server emulate slowness; a {strategy} "
                               f"{spec.role} would run at full speed: slow a worker instead")
@@ -113,6 +117,8 @@ def check_schedule(cfg: JobConfig, n_train: int) -> None:
     length = f"this run is {limit} steps per worker ({run_length(cfg)})"
     more = "pass --steps {n} or more"
     for kill in cfg.cluster.kill:
+        if kill.step is None:
+            continue  # a time: whether the run lasts that long is not known beforehand
         if kill.role == "worker" and kill.step >= limit:
             raise ConfigError(f"--kill worker:{kill.rank}@step={kill.step} cannot fire: {length}: pick a step below "
                               f"{limit}, or {more.format(n=kill.step + 1)}")

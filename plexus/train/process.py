@@ -31,6 +31,7 @@ def main() -> int:
         store = connect_store(info, cfg.cluster.timeout)
         store.add(JOINED_KEY, 1)  # start-up progress: this process is up (train/progress.py)
         run_dir = Path(os.environ["PLEXUS_RUN_DIR"]) if os.environ.get("PLEXUS_RUN_DIR") else None
+        arm_kill(cfg, info, store)
         if info.role == "worker":
             data = load_saved_dataset(Path(os.environ["PLEXUS_DATA"])) if os.environ.get("PLEXUS_DATA") else None
             worker_main(cfg, info, store, run_dir, data)
@@ -44,6 +45,25 @@ def main() -> int:
             print(f"{exc}" if str(exc).startswith(info.name) else f"{info.name}: {exc}", file=sys.stderr)
         return exc.exit_code
     return 0
+
+
+def arm_kill(cfg, info, store) -> None:
+    """``--kill ROLE:K@time=S`` for this process: a timer from training's start (worker
+    0 publishes it), which records the time of death in the store before it fires."""
+    from plexus.cluster.emulation import Emulator
+    from plexus.cluster.liveness import exited_key
+    from plexus.cluster.rendezvous import wait_keys
+    emulator = Emulator(cfg.cluster, info.role, info.rank)
+    if emulator.kill_seconds is None:
+        return
+    own = store.clone()  # the timer's thread must not share the main thread's connection
+
+    def started() -> float:
+        wait_keys(own, ["train/t0"], 10 * cfg.cluster.timeout, "the start of training")
+        return float(own.get("train/t0").decode())
+
+    emulator.before_kill = lambda: own.set(exited_key(info.name), repr(time.time()))
+    emulator.arm_timer(started)
 
 
 def report_cpu(store, role: str, rank: int) -> None:
