@@ -129,6 +129,10 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(g, "overwrite", action="store_const", const=True,
           help="write into an --out that holds files, replacing the earlier run's results")
     _flag(g, "save-model", action="store_const", const=True, help="write the final model's state_dict to DIR/model.pt")
+    _flag(g, "checkpoint-every", help="write a checkpoint of the whole job every N steps (100) or seconds (30s) "
+                                      "into DIR/checkpoints (allreduce, ps)")
+    _flag(g, "resume", metavar="RUN_DIR", help="continue the job of RUN_DIR from its newest whole checkpoint, "
+                                               "into a new run directory; only the run's length and output may change")
     _flag(g, "no-report", action="store_const", const=True,
           help="no plots or index.html in the run directory (`plexus report DIR` draws them later)")
     _flag(g, "json", action="store_const", const=True, help="print the summary as JSON on the last stdout line")
@@ -289,6 +293,9 @@ def job_config(args: argparse.Namespace, extra: dict[str, Any] | None = None):
     sources.update({k: "flag" for k in flat})
     merged.update(extra or {})
     sources.update({k: "spec" for k in extra or {}})
+    if merged.get("resume"):
+        from plexus.train.checkpoint import resumed_config
+        return resumed_config(merged)
     if extra is not None:
         # compare: a flag shared by every spec applies to the specs whose strategy reads
         # it; the others leave it out (a spec's own key that does not apply is an error).

@@ -413,6 +413,12 @@ class RunConfig:
     # there are replaced); without it such a directory is refused, so no run is lost.
     overwrite: bool = False
     save_model: bool = False
+    # Write a checkpoint of the whole job every N steps ("100") or seconds ("30s") into
+    # RUN_DIR/checkpoints (train/checkpoint.py).
+    checkpoint_every: str | None = None
+    # The checkpoint folder this run continues from (set by --resume RUN_DIR, which
+    # picks the run's newest whole checkpoint).
+    resume: str | None = None
     # Skip the plots and index.html (summary.json and metrics.jsonl are still written;
     # `plexus report DIR` draws them later). PLEXUS_NO_REPORT=1 in the environment does
     # the same for every run, as the test suite does.
@@ -429,6 +435,9 @@ class RunConfig:
                  self.time_limit, "pass --time-limit 60")
         _require(self.target_accuracy is None or 0 < self.target_accuracy <= 1, "target_accuracy",
                  "must be a fraction in (0, 1]", self.target_accuracy, "pass --target-accuracy 0.9")
+        if self.checkpoint_every is not None:
+            from plexus.train.checkpoint import parse_every
+            parse_every(self.checkpoint_every)
         _require(self.eval_every >= 0, "eval_every", "must be non-negative", self.eval_every, "pass --eval-every 50")
         _require(self.log_every >= 1, "log_every", "must be at least 1", self.log_every, "pass --log-every 10")
         _require(0 <= self.seed < 2**32, "seed", "must lie in [0, 2**32 - 1] (numpy's and torch's seed range)",

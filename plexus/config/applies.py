@@ -31,7 +31,9 @@ APPLIES: dict[str, tuple[str, ...]] = {
     # the all-reduce algorithm: allreduce averages gradients with it, local-sgd parameters
     "algorithm": ("allreduce", "local-sgd"),
     "bucket_mb": ("allreduce",),  # gradient buckets overlap backward (collectives/bucketing.py)
-    "elastic": ("allreduce",),  # the group re-forms when a worker dies or joins (strategies/elastic.py)
+    "elastic": ("allreduce",),
+    # checkpoints hold the whole job's state for these (train/checkpoint.py)
+    "checkpoint_every": ("allreduce", "ps"),  # the group re-forms when a worker dies or joins (strategies/elastic.py)
     "local_size": ("allreduce", "local-sgd"),  # the hier algorithm's group size
     # parameter servers (ps/server.py, shared by ps and tree-ps's root)
     "servers": (*_PS, "sandblaster"),  # easgd's centre is always one server process

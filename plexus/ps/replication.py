@@ -53,7 +53,7 @@ from plexus.config import JobConfig
 from plexus.errors import CommError, ProtocolError
 from plexus.ps.protocol import code_dtype, dtype_code
 
-__all__ = ["successors", "owner_key", "owner_of", "handoff_key", "ShardState", "WorkerRow", "Replicator", "Standby",
+__all__ = ["successors", "owner_key", "owner_of", "handoff_key", "ShardState", "WorkerRow", "decode_state", "Replicator", "Standby",
            "replicated_shards"]
 
 logger = logging.getLogger(__name__)
@@ -160,9 +160,25 @@ def _recv_state(link: Link, timeout: float, expect_shard: int) -> ShardState:
     histogram = torch.empty(n_hist, dtype=torch.int64)
     if n_hist:
         link.recv_from_peer(histogram, timeout=timeout)
+    return _state(header.tolist(), params, optimizer, rows, histogram)
+
+
+def _state(header: list[int], params: torch.Tensor, optimizer: list[torch.Tensor], rows: torch.Tensor,
+           histogram: torch.Tensor) -> ShardState:
+    (_, shard, version, _, _, total, _, steps, n_workers, _, ledger, duplicates, final, handoff) = header
     workers = [WorkerRow(r[0], STATES[r[1]], *r[2:]) for r in rows.view(n_workers, _ROW).tolist()]
     return ShardState(shard, version, total, params, optimizer, steps, workers, histogram.tolist(), ledger,
                       duplicates, bool(final), handoff, received=time.monotonic())
+
+
+def decode_state(parts: list[torch.Tensor]) -> ShardState:
+    """The inverse of ``ShardState.encode`` (a checkpoint's copy, train/checkpoint.py)."""
+    header = parts[0].tolist()
+    n_opt, n_hist = header[6], header[9]
+    if header[0] != _MAGIC or len(header) != _HEADER or len(parts) != 3 + n_opt + (1 if n_hist else 0):
+        raise ValueError("not the encoding of a shard's state")
+    histogram = parts[3 + n_opt] if n_hist else torch.empty(0, dtype=torch.int64)
+    return _state(header, parts[1], list(parts[2:2 + n_opt]), parts[2 + n_opt], histogram)
 
 
 def _link_tag(shard: int) -> str:

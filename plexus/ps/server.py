@@ -38,11 +38,13 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from plexus.cluster.checkpoint_files import server_checkpoints
 from plexus.cluster.emulation import Emulator
 from plexus.cluster.group import Link
 from plexus.cluster.rendezvous import lost_key
@@ -243,7 +245,8 @@ class ParameterServer:
     def __init__(self, store: dist.Store, index: int, cfg: JobConfig, traffic: Traffic,
                  children: list[str] | None = None, readers: list[str] | None = None, log: Log | None = None,
                  host: int | None = None, state: ShardState | None = None,
-                 recovery: dict[str, float] | None = None) -> None:
+                 recovery: dict[str, float] | None = None, resumed: bool = False,
+                 checkpoints: Path | None = None) -> None:
         self.store, self.index, self.cfg, self.traffic = store, index, cfg, traffic
         self.host = index if host is None else host
         # Links are made between processes: a shard taken over is told apart by its tag.
@@ -321,6 +324,15 @@ class ParameterServer:
                                          self._snapshot, lambda: self.changes)
         if state is not None:
             self._restore(state)
+        if resumed:  # --resume: every worker (a new process) connects again and sends INIT
+            for w, peer in self.peers.items():
+                if peer.state == LOST:  # lost before the checkpoint: it starts again, from the
+                    peer.base = self.gate.join(w)  # slowest live clock, as a worker that joins
+                    self.lost.pop(w, None)
+                peer.state = EXPECTED
+        # --checkpoint-every: the run directory this shard's checkpoints go to, and the
+        # newest one written (train/checkpoint.py).
+        self.checkpoints, self._checkpointed = checkpoints, 0
 
     # --- the process's main loop ------------------------------------------------------
 
@@ -462,6 +474,9 @@ class ParameterServer:
                 with self.cond:
                     if self.optimizer is not None and self.moved_to is None:
                         self._start_drain()
+            if self.checkpoints is not None:
+                self._checkpointed = server_checkpoints(store, self.checkpoints, self.index, self._checkpointed,
+                                                        self._checkpoint_parts)
             joins = store.add(KEYS.joined, 0)
             while known_joins < joins:
                 self._admit(self.workers + known_joins)
@@ -795,6 +810,15 @@ class ParameterServer:
                            [t.clone() for t in self.optimizer.state()], self.optimizer.steps, rows,
                            list(self.histogram.counts), self.ledger, self.duplicates)
         return state, self.changes
+
+    def _checkpoint_parts(self) -> list[torch.Tensor]:
+        """The shard's state for a checkpoint, taken under the lock (the workers stand at
+        their step boundaries, so no push is in flight)."""
+        with self.cond:
+            snapshot = self._snapshot()
+        if snapshot is None:
+            raise ProtocolError(f"{self.me}: a checkpoint was asked for before any worker's INIT", peer=self.me)
+        return snapshot[0].encode()
 
     def _restore(self, state: ShardState) -> None:
         """Start from a replicated ``state``: the weights, the optimizer, and every worker's

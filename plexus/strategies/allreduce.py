@@ -148,6 +148,19 @@ class AllReduceStrategy(Strategy):
             self._failed_at = None
         return StepStats(loss=loss.item())
 
+    # --- checkpoints: every replica is worker 0's ------------------------------------------
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        if self.ctx.info.rank != 0:
+            return {}
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def restore_checkpoint(self, mine: dict[str, Any], read) -> None:
+        replica = mine if "model" in mine else read("worker-0")
+        self.model.load_state_dict(replica["model"])
+        self.optimizer.load_state_dict(replica["optimizer"])
+        self.steps = int(mine["steps"])
+
     # --- elastic ------------------------------------------------------------------------
 
     def first_step(self) -> int:

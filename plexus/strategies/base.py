@@ -158,6 +158,22 @@ class Strategy(ABC):
         pick the batches (contracts 1 and 2)."""
         return None
 
+    # --- checkpoints (train/checkpoint.py) ---------------------------------------------
+
+    @classmethod
+    def checkpoint_servers(cls, cfg: JobConfig) -> int:
+        """Processes besides the workers whose state a checkpoint holds (ps's shards)."""
+        return 0
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What this worker adds to its part of a checkpoint (tensors, numbers, strings
+        and their dicts and lists); its steps and random state are added by the runner."""
+        return {}
+
+    def restore_checkpoint(self, mine: dict[str, Any], read: Callable[[str], dict[str, Any]]) -> None:
+        """Continue from ``mine``, this worker's part of a checkpoint (``read(name)``
+        loads another part, e.g. ``worker-0``), before training starts."""
+
     def first_step(self) -> int:
         """The step this worker starts at: 0, or the job's current step for a worker that
         joined a synchronous group (elastic all-reduce), known once ``setup`` returns."""

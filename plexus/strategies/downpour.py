@@ -55,11 +55,13 @@ from __future__ import annotations
 import logging
 import math
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from plexus.cluster.checkpoint_files import load_piece
 from plexus.cluster.rendezvous import store_get_json, store_set_json, wait_keys
 from plexus.config import JobConfig
 from plexus.errors import ConfigError
@@ -68,6 +70,7 @@ from plexus.ps.heartbeat import heartbeat_summary
 from plexus.ps.consistency import is_synchronous
 from plexus.ps.protocol import Op
 from plexus.ps.server import KEYS, LEDGER_BASE, ParameterServer
+from plexus.ps.replication import decode_state
 from plexus.ps.server_group import ServerGroup
 from plexus.ps.staleness import StalenessHistogram
 from plexus.strategies.base import Context, LossFn, RoleContext, StepStats, Strategy
@@ -149,6 +152,9 @@ class DownpourStrategy(Strategy):
         if s.ledger and s.strategy == "tree-ps" and c.workers > 5:
             raise ConfigError(f"ledger under tree-ps needs 5 workers or fewer, got {c.workers}: an aggregator "
                               f"sums its children's codes, and the sum must stay below 2^24 to be exact")
+        if cfg.run.checkpoint_every and (s.push_every > 1 or s.fetch_every > 1):
+            raise ConfigError("checkpoint_every needs --push-every 1 and --fetch-every 1: a checkpoint is taken "
+                              "at a step boundary, where a worker holds no gradient it has not pushed yet")
         if c.peer_timeout >= c.timeout:
             raise ConfigError(f"peer_timeout must be shorter than timeout ({c.timeout:g} s), got "
                               f"{c.peer_timeout:g}: servers must drop a silent worker before the others' waits "
@@ -169,6 +175,10 @@ class DownpourStrategy(Strategy):
         return cfg.strategy.assignment == "dynamic"
 
     @classmethod
+    def checkpoint_servers(cls, cfg: JobConfig) -> int:
+        return num_servers(cfg)
+
+    @classmethod
     def run_role(cls, role: str, rank: int, ctx: RoleContext) -> None:
         if role != "server":
             raise ConfigError(f"strategy ps has no role {role!r}")
@@ -181,8 +191,13 @@ class DownpourStrategy(Strategy):
         # root servers, whose children are aggregators, do not).
         group = ServerGroup(ctx.store, rank, ctx.cfg, ctx.traffic, ctx.log.log) \
             if cls.root_children(ctx.cfg) is None else None
+        # --resume: the shard as the checkpoint holds it (train/checkpoint.py).
+        state = decode_state(load_piece(Path(ctx.cfg.run.resume), f"server-{rank}")["shard"]) \
+            if ctx.cfg.run.resume else None
         server = ParameterServer(ctx.store, rank, ctx.cfg, ctx.traffic, cls.root_children(ctx.cfg),
-                                 readers=cls.root_readers(ctx.cfg), log=ctx.log.log)
+                                 readers=cls.root_readers(ctx.cfg), log=ctx.log.log, state=state,
+                                 resumed=state is not None,
+                                 checkpoints=ctx.run_dir if ctx.cfg.run.checkpoint_every else None)
         record = server.serve()
         if server.moved_to is None:  # a shard that moved on is recorded by its last server
             store_set_json(ctx.store, f"stats/server/{rank}", record)
@@ -369,6 +384,17 @@ class DownpourStrategy(Strategy):
         self.acc_rows: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.samples = 0                    # trained on by this worker
         self.finished = False
+
+    # --- checkpoints: a worker's position; the shards hold the rest -------------------------
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        if self.table is not None:
+            raise ConfigError("checkpoint_every does not cover a sparse table yet: its rows are not in a shard's "
+                              "checkpoint; drop --checkpoint-every, or use a model without an embedding table")
+        return {"clock": self.clock, "worker_steps": self.steps, "samples": self.samples}
+
+    def restore_checkpoint(self, mine: dict[str, Any], read) -> None:
+        self.clock, self.steps, self.samples = int(mine["clock"]), int(mine["worker_steps"]), int(mine["samples"])
 
     def table_of(self, model: nn.Module) -> nn.Module | None:
         """The embedding table pushed and pulled by rows, if any."""

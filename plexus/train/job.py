@@ -29,6 +29,7 @@ from plexus.collectives import get_algorithm
 from plexus.config import JobConfig
 from plexus.errors import CommError, ConfigError, JobFailed, JobInterrupted, PeerLost
 from plexus.strategies import strategy_class
+from plexus.train.checkpoint import CHECKPOINTS, checkpoint_fields
 from plexus.train.data import load_dataset
 from plexus.train.models import build_model
 from plexus.train.progress import StartupProbe, oversubscription
@@ -95,6 +96,7 @@ def prepare_run_dir(cfg: JobConfig) -> Path:
         raise ConfigError(f"cannot create run directory {out}: {exc.strerror}: pass another --out") from None
     for stale in (*RUN_FILES, *(p.name for p in out.glob("*.png"))):
         (out / stale).unlink(missing_ok=True)
+    shutil.rmtree(out / CHECKPOINTS, ignore_errors=True)  # an earlier run's: --resume must not find them
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     return out
 
@@ -198,6 +200,7 @@ def run_local(cfg: JobConfig, poll: Callable[[Path, StartupProbe], None] | None 
         raise failed
     summary = assemble_summary(cfg, collect_records(cfg, _job_store(store, token), lost), lost)
     summary["status"] = "completed"
+    summary.update(checkpoint_fields(cfg, run_dir))
     write_summary(run_dir, summary)
     _write_report(cfg, run_dir)
     phases.done("summary")
@@ -332,7 +335,13 @@ def run(config: JobConfig | dict[str, Any]) -> dict[str, Any]:
     ``config`` is a JobConfig or a flat dict of the CLI's keys, e.g.
     ``plexus.run({"strategy": "allreduce", "workers": 2, "model": "mypkg.nets:make"})``.
     """
-    cfg = config if isinstance(config, JobConfig) else JobConfig.from_flat(config)
+    if isinstance(config, JobConfig):
+        cfg = config
+    elif config.get("resume"):
+        from plexus.train.checkpoint import resumed_config
+        cfg = resumed_config(config)
+    else:
+        cfg = JobConfig.from_flat(config)
     run_dir, summary = run_local(cfg)
     return {**summary, "run_dir": str(run_dir)}
 

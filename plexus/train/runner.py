@@ -21,12 +21,13 @@ from plexus.cluster.rendezvous import ProcessInfo, store_barrier, store_set_json
 from plexus.cluster.traffic import Traffic
 from plexus.config import JobConfig
 from plexus.config.defaults import is_asynchronous
-from plexus.errors import PlexusError
+from plexus.errors import ConfigError, PlexusError
 from plexus.strategies import Context, RoleContext, create_strategy, strategy_class
 from plexus.strategies.base import StepStats
 from plexus.strategies.elastic import Regrouped
 from plexus.train.batches import GlobalBatches, PartitionBatches, UnitBatches
-from plexus.train.budget import UpdateBudget
+from plexus.train.budget import BUDGET_KEY, UpdateBudget
+from plexus.train.checkpoint import Checkpointer, load_piece
 from plexus.train.data import Dataset, load_dataset
 from plexus.train.health import Health, hint
 from plexus.train.evaluation import Evaluation, SnapshotEvaluator, evaluate, loss_fn
@@ -144,6 +145,14 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
 
     if rank == 0:
         store.set(STEPS_KEY, str(limit))  # for the progress display (train/progress.py)
+    resumed = _resume(cfg, strategy, store, rank) if cfg.run.resume else 0
+    checkpointer = None
+    if cfg.run.checkpoint_every:
+        if run_dir is None:
+            raise ConfigError("--checkpoint-every writes into the run directory, which this process does not have "
+                              "(under torchrun only worker 0 does): use the local launcher")
+        checkpointer = Checkpointer(cfg, store, run_dir, rank, workers, strategy.checkpoint_servers(cfg),
+                                    strategy.synchronous)
     # The training clock starts when every worker is ready; worker 0's start is everyone's.
     store_barrier(store, "train/ready", workers, cfg.cluster.timeout)
     if rank == 0:
@@ -198,7 +207,7 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
         budget = UpdateBudget.open(store, limit, workers, numbered=dynamic) if strategy.shares_budget(cfg) else None
         if budget is not None:
             limit = budget.total if budget.take() else 0
-        first = strategy.first_step()
+        first = max(strategy.first_step(), resumed)
         steps_done = first
         if first and health.chance_loss is not None:
             health.baseline(health.chance_loss)  # joined midway: the job started at chance
@@ -277,6 +286,8 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
                     replica_eval.submit(replica, steps_done, now, samples)
                 if fields:
                     log.log("strategy", time=now, worker=rank, step=steps_done, **fields)
+            if checkpointer is not None and checkpointer.plan.due(steps_done):
+                checkpointer.write(steps_done, strategy.checkpoint_state())
             if must_agree and steps_done % cfg.run.log_every == 0:
                 over = cfg.run.time_limit is not None and clock() >= cfg.run.time_limit
                 reached = evaluator is not None and evaluator.reached.is_set()
@@ -284,6 +295,8 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
                     break
             if budget is not None and budget.spent:
                 break
+        if checkpointer is not None:
+            checkpointer.leave()
         wall = clock()
         fields = strategy.prepare_snapshot(final=True)
         if fields:
@@ -319,6 +332,7 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
                 "chance_accuracy": 1 / classes if classes else None})
         store_set_json(store, f"stats/worker/{rank}", {
             **record(wall, loss), "update_budget": budget.total if budget is not None else None,
+            "checkpoints": checkpointer.written if checkpointer is not None else [],
             **strategy.final_record()})
         if strategy.synchronous and not strategy.tolerates_loss(cfg, "worker", rank):
             # Nobody may tear down the group while others still use it (a strategy that
@@ -331,6 +345,22 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
 
 
 _SAMPLES_KEY = "train/samples"
+
+
+def _resume(cfg: JobConfig, strategy, store, rank: int) -> int:
+    """Load this worker's part of the checkpoint ``cfg.run.resume`` (its steps, random
+    state and strategy state); returns the steps it had made. Under a shared budget,
+    worker 0 gives back to it the updates the job had made."""
+    folder = Path(cfg.run.resume)
+    steps = 0
+    if (folder / f"worker-{rank}.pt").is_file():
+        mine = load_piece(folder, f"worker-{rank}")
+        steps = int(mine["steps"])
+        torch.set_rng_state(mine["rng"])
+        strategy.restore_checkpoint(mine, lambda name: load_piece(folder, name))
+    if rank == 0 and strategy.shares_budget(cfg):
+        store.add(BUDGET_KEY, sum(int(load_piece(folder, p.stem)["steps"]) for p in folder.glob("worker-*.pt")))
+    return steps
 
 
 def _target_recorder(store, cfg: JobConfig):
