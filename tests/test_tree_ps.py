@@ -178,9 +178,9 @@ JOB = dict(strategy="tree-ps", dataset="digits", model="mlp", workers=4, fanout=
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant, victim, lost, transport", [
-    ("adv", "aggregator:0", {"aggregator 0": [0, 1]}, "auto"),
+    ("adv", "aggregator:0", {"aggregator 0": []}, "auto"),   # workers 0 and 1 re-attach to the root
     ("adv", "worker:3", {"worker 3": [3]}, "auto"),
-    ("adv-star", "aggregator:1", {"aggregator 1": [2, 3]}, "auto"),
+    ("adv-star", "aggregator:1", {"aggregator 1": []}, "auto"),
     ("adv-star", "worker:0", {"worker 0": [0]}, "auto"),     # worker 1 evaluates instead
     ("adv-star", "worker:2", {"worker 2": [2]}, "socket"),   # its read links break as sockets do
 ])
@@ -196,6 +196,23 @@ def test_a_lost_worker_or_aggregator_leaves_the_others_running(tmp_path, variant
         else:
             assert applied[str(w)] == JOB["steps"]  # every gradient of a survivor, exactly once
     assert summary["pushes_acknowledged"] == JOB["steps"] * (4 - len(summary["lost_workers"]))
+    if victim.startswith("aggregator"):  # its children re-attached: nobody was lost with it
+        assert len(summary["reattached"]) == 2 and summary["lost_aggregators"] == [int(victim[-1])]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("consistency", ["asp", "bsp"])
+@pytest.mark.parametrize("victim, moved", [("aggregator:0", {("worker 0", "aggregator 2"), ("worker 1", "aggregator 2")}),
+                                           ("aggregator:2", {("aggregator 0", "root"), ("aggregator 1", "root")})])
+def test_children_of_a_dead_aggregator_re_attach_to_the_grandparent(tmp_path, consistency, victim, moved):
+    """Five workers, fanout 2: aggregators 0 (workers 0, 1) and 1 (workers 2, 3) under
+    aggregator 2, which shares the root with worker 4. A bottom aggregator's workers
+    re-attach to aggregator 2; a middle one's aggregators re-attach to the root."""
+    summary = plexus.run({**JOB, "workers": 5, "batch_size": 60, "consistency": consistency, "ledger": True,
+                          "kill": f"{victim}@step=20", "out": str(tmp_path)})
+    assert {(e["node"], e["to"]) for e in summary["reattached"]} == moved
+    assert summary["lost_workers"] == [] and summary["ledger_verdict"].startswith("ledger OK")
+    assert summary["updates_applied_by_worker"] == {str(w): JOB["steps"] for w in range(5)}
 
 
 @pytest.mark.slow

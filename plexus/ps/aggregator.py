@@ -19,9 +19,12 @@ Children are summed in their tree order, so a synchronous tree is deterministic.
 
 Faults. A child whose link breaks or whose heartbeat stands still for ``--peer-timeout``
 is lost: it stops counting towards a batch, and what it pushed before is still forwarded.
-The aggregator's record names the workers below a lost child. If the parent is lost the
-aggregator fails, which breaks its children's links in turn: the subtree is lost, the rest
-of the job goes on (``TreePSStrategy.tolerates_loss``).
+If the lost child was an aggregator, its children re-attach here (``reattach``: the
+nearest live ancestor of the dead node adopts them, in the order they register in the
+store) and this aggregator does not finish before they have re-attached, finished or died.
+A re-attached child's first push is the one the dead node held; it goes up alone, so
+that the root can recognise it whole (by its workers' clocks) if it was already applied.
+If this aggregator's own parent dies it re-attaches the same way and sends its batch again.
 
 End. When no child is live the aggregator says BYE to its parent, waits until the servers
 have drained, forwards the final pulls, and shuts its uplink once every child has shut down.
@@ -46,15 +49,29 @@ from plexus.ps.client import PSClient
 from plexus.ps.heartbeat import Heartbeat, Log, Watch
 from plexus.ps.protocol import (HEADER_BYTES, MEMBER_FIELDS, SENTINEL, Header, Op, ShardSpec, Status, check_request,
                                 code_dtype, decode, encode, header_buffer)
-from plexus.ps.server import KEYS, recv_payloads
+from plexus.ps.server import KEYS, orphans, recv_payloads, tree_node_ended
 from plexus.ps.sharding import RangeSharding
-from plexus.ps.tree import ROOT, Node, Tree
+from plexus.ps.tree import ROOT, Node, Tree, adopt_key, node_of
+from plexus.cluster.liveness import exited_key
 
-__all__ = ["Aggregator"]
+__all__ = ["Aggregator", "reattach"]
 
 logger = logging.getLogger(__name__)
 
 EXPECTED, ACTIVE, FINISHED, CLOSED, LOST = "expected", "active", "finished", "closed", "lost"
+
+
+def reattach(store: dist.Store, tree: Tree, node: Node, dead: Node, straight_to_root: bool) -> tuple[Node, int]:
+    """Where ``node`` re-attaches after its parent ``dead`` died: the nearest ancestor of
+    ``dead`` not known to be lost too (or the root, ``straight_to_root``, as adv*'s
+    learners do); returns it and ``node``'s sender index there (after its own children,
+    in the order the children that re-attach register)."""
+    parent = ROOT if straight_to_root else tree.parent(dead)
+    while parent != ROOT and (store.check([KEYS.lost(parent.name)]) or store.check([exited_key(parent.name)])):
+        parent = tree.parent(parent)
+    k = int(store.add(adopt_key(parent), 1)) - 1
+    store.set(f"{adopt_key(parent)}/{k}", node.name)
+    return parent, len(tree.children(parent)) + k
 
 
 @dataclass
@@ -69,6 +86,7 @@ class _Entry:
     weights: torch.Tensor | None = None
     versions: list[int] = field(default_factory=list)
     error: str | None = None
+    resend: bool = False               # a re-attached child's first push (forwarded alone)
 
     @property
     def weight(self) -> int:
@@ -85,6 +103,9 @@ class _Child:
     heard: float = 0.0
     clock: int = 0
     thread: threading.Thread | None = field(default=None, repr=False)
+    # Re-attached here after its parent died: its first push goes up alone, so that the
+    # root can recognise it whole if the dead parent had already forwarded it.
+    resend: bool = False
 
 
 class Aggregator:
@@ -123,6 +144,9 @@ class Aggregator:
         self.lost: dict[str, str] = {}
         self.protocol_errors = 0
         self.failure: str | None = None
+        self.adopted = 0                     # children that re-attached here
+        self.awaiting: set[str] = set()      # children of a lost child, which may re-attach here
+        self.reattached: list[dict[str, Any]] = []   # this aggregator's own re-attachments
 
     # --- main loop ----------------------------------------------------------------------
 
@@ -170,6 +194,7 @@ class Aggregator:
                     "batch_sizes": {str(k): n for k, n in sorted(self.batches.items())},
                     "lost": dict(self.lost),
                     "lost_workers": sorted(w for c in self.children if c.state == LOST for w in c.leaves),
+                    "reattached": list(self.reattached),
                     "protocol_errors": self.protocol_errors, "bytes_sent": self.traffic.bytes_sent,
                     "bytes_recv": self.traffic.bytes_recv,
                     "heartbeat": {**self.watch.record(), **(self.heartbeat.record() if self.heartbeat else {})}}
@@ -189,11 +214,13 @@ class Aggregator:
         while True:
             with self.cond:
                 while not self._batch_ready():
-                    if not self.pending and all(c.state not in (EXPECTED, ACTIVE) for c in self.children):
+                    if not self.pending and not self.awaiting and \
+                            all(c.state not in (EXPECTED, ACTIVE) for c in self.children):
                         return
                     self.cond.wait(1.0)
-                batch = sorted(self.pending, key=lambda e: e.child)
-                self.pending = []
+                resent = [e for e in self.pending if e.resend]
+                batch = resent[:1] or sorted(self.pending, key=lambda e: e.child)
+                self.pending = [e for e in self.pending if e not in batch]
             try:
                 self._send_up(batch)
             except BaseException as exc:
@@ -218,10 +245,17 @@ class Aggregator:
         if self.emulator is not None:
             self.emulator.at_step(self.clock)  # --kill aggregator:K@step=N counts forwarded pushes
         with self.uplink:
-            if self.push_only:
-                self.client.push(grad, self.clock, versions, members)
-            else:
-                self.client.push_pull(grad, weights, self.clock, versions, members)
+            while True:
+                try:
+                    if self.push_only:
+                        self.client.push(grad, self.clock, versions, members)
+                    else:
+                        self.client.push_pull(grad, weights, self.clock, versions, members)
+                    break
+                except CommError as exc:
+                    if self.parent is None:  # the servers: nothing above them to re-attach to
+                        raise
+                    self._reattach(exc)
             got = list(self.client.versions)
         with self.cond:
             self.clock += 1
@@ -234,6 +268,26 @@ class Aggregator:
         for entry in batch:
             entry.weights, entry.versions = weights, got
             entry.done.set()
+
+    def _reattach(self, exc: CommError) -> None:
+        """Under the uplink lock, after the link to the parent broke: re-attach to the
+        nearest live ancestor (``reattach``) and open the uplink there; the push is then
+        sent again."""
+        started = time.monotonic()
+        dead = node_of(self.parent)
+        parent, sender = reattach(self.store, self.tree, self.node, dead, straight_to_root=False)
+        logger.warning("%s: lost its parent %s (%s); re-attaching to %s", self.me, dead.name, exc,
+                       "the servers" if parent == ROOT else parent.name)
+        self.client.close()
+        self.parent = None if parent == ROOT else parent.name
+        self.client = PSClient(self.store, self.index, self.servers, numel=self.specs[0].total,
+                               dtype=self.specs[0].dtype, traffic=self.traffic, timeout=self.timeout,
+                               net=self.cfg.cluster.net, transport=self.cfg.cluster.transport, sender=sender,
+                               name=self.me, parent=self.parent)
+        self.client.connect()
+        self.client.init(self.weights.clone(), clock=self.clock)
+        self.reattached.append({"node": self.me, "from": dead.name, "to": parent.name, "push": self.clock,
+                                "seconds": time.monotonic() - started})
 
     # --- membership -------------------------------------------------------------------------
 
@@ -251,7 +305,30 @@ class Aggregator:
                     why = self.watch.judge(self.children[i].name, beats, now, self.children[i].since)
                 if why is not None:
                     self._lose(i, why)
+            asked = int(store.add(adopt_key(self.node), 0))
+            while self.adopted < asked:  # a child of a dead aggregator re-attaches here
+                self._adopt(store.get(f"{adopt_key(self.node)}/{self.adopted}").decode())
+                self.adopted += 1
+            with self.cond:
+                awaited = set(self.awaiting)
+            ended = {name for name in awaited if tree_node_ended(store, name)}
+            if ended:  # finished or lost before it could re-attach: nothing to wait for
+                with self.cond:
+                    self.awaiting -= ended
+                    self.cond.notify_all()
             stop.wait(self.interval)
+
+    def _adopt(self, name: str) -> None:
+        """Take ``name`` as one more child (it sends INIT with its next clock)."""
+        with self.cond:
+            self.awaiting.discard(name)
+            self.children.append(_Child(name, self.tree.leaves(node_of(name))))
+            i = len(self.children) - 1
+            self.cond.notify_all()
+        logger.warning("%s: %s re-attaches here", self.me, name)
+        thread = threading.Thread(target=self._serve_child, args=(i,), name=f"{self.me} <- {name}", daemon=True)
+        self.children[i].thread = thread
+        thread.start()
 
     def _lose(self, i: int, reason: str) -> None:
         with self.cond:
@@ -264,6 +341,7 @@ class Aggregator:
                 return
             child.state = LOST
             self.lost[child.name] = reason
+            self.awaiting |= set(orphans(self.tree, child.name))  # its children re-attach here
             self.cond.notify_all()
         logger.warning("%s: lost %s (%s); the gradients of worker(s) %s stop here", self.me, child.name, reason,
                        ", ".join(map(str, child.leaves)))
@@ -341,6 +419,9 @@ class Aggregator:
             self._init_upstream(request)
             with self.cond:
                 child.state = ACTIVE
+                # A child that re-attached here goes on from its own next clock.
+                child.clock = request[0][0].clock
+                child.resend = child.clock > 0
                 self.cond.notify_all()
             self._reply(link, request, self.weights, self._versions())
             return True
@@ -438,7 +519,9 @@ class Aggregator:
             raise ProtocolError(f"{peer} listed different gradients for different shards", peer=peer)
         child.clock += 1
         grad = torch.cat(parts) if len(parts) != 1 else parts[0]
-        return _Entry(i, op, grad, members)
+        entry = _Entry(i, op, grad, members, resend=child.resend)
+        child.resend = False
+        return entry
 
     def _reply(self, link: Link, request: list[tuple[Header, list[torch.Tensor]]], weights: torch.Tensor | None,
                versions: list[int]) -> None:

@@ -227,13 +227,14 @@ class PSClient:
 
     # --- operations ---------------------------------------------------------------------
 
-    def init(self, flat: torch.Tensor, table: torch.Tensor | None = None) -> Reply:
+    def init(self, flat: torch.Tensor, table: torch.Tensor | None = None, clock: int = 0) -> Reply:
         """Offer our initial values (the first worker's are kept) and receive the current
-        ones into ``flat`` and ``table``: a worker that joins late starts from the current model."""
+        ones into ``flat`` and ``table``: a worker that joins late starts from the current model.
+        ``clock``: the next push's clock, for a tree node that re-attached to a new parent."""
         requests, rows_in = [], []
         for s in range(self.servers):
             keys = self.owned(s) if table is not None else torch.empty(0, dtype=torch.int64)
-            req = _Request(self._header(Op.INIT, s, keys=len(keys)))
+            req = _Request(self._header(Op.INIT, s, clock=clock, keys=len(keys)))
             part = self._dense_slice(flat, s)
             if part.numel():
                 req.payloads.append(part.clone())

@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from plexus.cluster.checkpoint_files import server_checkpoints
 from plexus.cluster.emulation import Emulator
+from plexus.cluster.liveness import exited_key
 from plexus.cluster.group import Link
 from plexus.cluster.rendezvous import lost_key
 from plexus.cluster.traffic import Traffic
@@ -59,6 +60,7 @@ from plexus.ps.protocol import (HEADER_BYTES, MEMBER_FIELDS, SENTINEL, Header, O
                                 code_dtype, decode, encode, header_buffer, mark_payload, payload_short,
                                 request_payloads)
 from plexus.ps.sharding import HashRing, RangeSharding
+from plexus.ps.tree import ROOT, Tree, adopt_key, node_of
 from plexus.ps.staleness import StalenessHistogram, staleness_lr_scale
 
 __all__ = ["ParameterServer", "KEYS", "VNODES", "LEDGER_BASE", "recv_payloads", "silent_for"]
@@ -228,6 +230,19 @@ def recv_payloads(link: Link, header: Header, reuse: torch.Tensor | None = None,
     return out, release
 
 
+def orphans(tree: Tree, name: str) -> list[str]:
+    """The children of tree node ``name`` (none for a worker): they re-attach when it dies."""
+    node = node_of(name)
+    return [c.name for c in tree.children(node)] if node.role == "aggregator" else []
+
+
+def tree_node_ended(store: dist.Store, name: str) -> bool:
+    """Whether tree node ``name`` finished, or was lost, so that it will not re-attach."""
+    node = node_of(name)
+    done = KEYS.finished(node.rank) if node.role == "worker" else f"stats/aggregator/{node.rank}"
+    return store.check([done]) or store.check([KEYS.lost(name)]) or store.check([exited_key(name)])
+
+
 class ParameterServer:
     """Server ``index`` of ``cfg.cluster.servers``: holds one shard and serves every worker.
 
@@ -305,6 +320,11 @@ class ParameterServer:
         self.ledger_seq: dict[int, int] = {}   # worker -> highest clock whose code was applied
         self.duplicates = 0                    # codes applied twice (must stay 0)
         self.resent = 0                        # pushes that came again after a takeover, already applied
+        self.seen: dict[int, int] = {}         # tree-ps: worker -> newest clock of its gradients received
+        self._adopted = 0                      # tree-ps: children re-attached to the root
+        # tree-ps: children of a lost aggregator that may still re-attach (no drain before).
+        self.awaiting: set[str] = set()
+        self.tree_shape = Tree(cfg.cluster.workers, cfg.strategy.fanout) if self.tree else None
         self.changes = 0                       # state changes, for the replicator
         self.recovery = dict(recovery) if recovery is not None else None
         # A drain (``drain``): ``moving`` once this shard applies nothing more, ``moved_to``
@@ -474,6 +494,19 @@ class ParameterServer:
                 with self.cond:
                     if self.optimizer is not None and self.moved_to is None:
                         self._start_drain()
+            if self.tree and self.host == self.index:
+                adopted = int(store.add(adopt_key(ROOT), 0))
+                while self._adopted < adopted:  # a child of a dead aggregator re-attaches to the root
+                    self._adopt(store.get(f"{adopt_key(ROOT)}/{self._adopted}").decode())
+                    self._adopted += 1
+                with self.cond:
+                    awaited = set(self.awaiting)
+                ended = {name for name in awaited if tree_node_ended(store, name)}
+                if ended:  # finished or lost before it could re-attach: the root need not wait
+                    with self.cond:
+                        self.awaiting -= ended
+                        self._check_drained()
+                        self.cond.notify_all()
             if self.checkpoints is not None:
                 self._checkpointed = server_checkpoints(store, self.checkpoints, self.index, self._checkpointed,
                                                         self._checkpoint_parts)
@@ -482,6 +515,17 @@ class ParameterServer:
                 self._admit(self.workers + known_joins)
                 known_joins += 1
             self._stop.wait(self.interval)
+
+    def _adopt(self, name: str) -> None:
+        """tree-ps: ``name`` re-attaches to the root after its aggregator died; its sender
+        index follows the root's children in the order they re-attach."""
+        with self.cond:
+            index = len(self.names)
+            self.names.append(name)
+            self.peers[index] = _Worker(EXPECTED, time.monotonic())
+            self.awaiting.discard(name)
+        logger.warning("%s: %s re-attaches to the root", self.me, name)
+        self._start_link(index)
 
     def _admit(self, worker: int) -> None:
         """A worker registered to join: expect its link (it becomes live at INIT)."""
@@ -513,6 +557,8 @@ class ParameterServer:
                 peer.state = LOST
                 self.lost[worker] = reason
                 self._apply(self.gate.leave(worker))
+                if self.tree and self.host == self.index:  # its children re-attach here: wait for them
+                    self.awaiting |= set(orphans(self.tree_shape, self.names[worker]))
             self._check_drained()
             self.cond.notify_all()
             lost = peer.state == LOST
@@ -528,7 +574,7 @@ class ParameterServer:
         """Under the lock, after a worker's state changed (which the replicas must learn):
         no worker live or expected and nothing pending means drained."""
         self.changes += 1
-        if self.drained or self.gate.pending():
+        if self.drained or self.gate.pending() or self.awaiting:
             return
         if any(p.state in (EXPECTED, ACTIVE) for p in self.peers.values()):
             return
@@ -690,8 +736,11 @@ class ParameterServer:
                     self.optimizer = make_server_optimizer(self.cfg.optim, self.spec.count, len(self.owned_keys),
                                                            self.spec.width, self.spec.dtype)
                 if worker >= self.workers:
-                    peer.base = self.gate.join(worker)
-                    self.joined[worker] = self.version
+                    # A worker that joins starts at clock 0; a tree node that re-attached
+                    # here after its parent died goes on from its own clock (h.clock).
+                    peer.base = self.gate.join(worker) - h.clock
+                    if not self.tree:
+                        self.joined[worker] = self.version
                 peer.state = ACTIVE
                 self.changes += 1
                 self.cond.notify_all()
@@ -897,6 +946,15 @@ class ParameterServer:
             push = Push(worker, peer.base + h.clock, h.version, _Payload(dense, rows, grads, members, clocks),
                         weight=len(members))
             expected = self.gate.clocks.get(worker)
+            if self.tree and all(c <= self.seen.get(w, -1) for (w, _), c in zip(members, clocks)):
+                # Sent again by a tree node that re-attached after its parent died, which
+                # had already forwarded it: every worker gradient in it was applied. The
+                # gate never sees it, so the node's next push takes the clock it expects.
+                self.resent += 1
+                peer.base -= 1
+                return
+            for (w, _), c in zip(members, clocks):
+                self.seen[w] = max(self.seen.get(w, -1), c)
             if (self.replicator is not None or self.recovery is not None) and expected is not None \
                     and push.clock < expected:
                 # Sent again after a takeover: the old primary applied it and its replicas
@@ -1036,7 +1094,7 @@ class ParameterServer:
             # The staleness of the push this answers, once it has been applied.
             known = peer.staleness >= 0 and peer.applied == peer.pushed and h.op in (Op.PUSH, Op.PUSH_PULL,
                                                                                        Op.SPARSE_PUSH)
-            reply = Header(op=Op.REPLY, sender=self.index, shard=self.index, clock=peer.base,
+            reply = Header(op=Op.REPLY, sender=self.index, shard=self.index, clock=max(peer.base, 0),
                            version=self.version, offset=h.offset, count=payloads[0].numel() if dense and payloads
                            and self.spec.count else 0, keys=len(rows) if rows is not None and status == Status.OK
                            else 0, width=h.width, dtype=h.dtype, staleness=peer.staleness + 1 if known else 0,

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-__all__ = ["Node", "Tree", "ROOT"]
+__all__ = ["Node", "Tree", "ROOT", "adopt_key", "node_of"]
 
 
 @dataclass(frozen=True, order=True)
@@ -101,3 +101,17 @@ class Tree:
         """Every node but the root: workers, then aggregators."""
         return [Node("worker", r) for r in range(self.workers)] + \
                [Node("aggregator", a) for a in range(self.aggregators)]
+
+
+def node_of(name: str) -> Node:
+    """The node of process ``name`` (``aggregator 1``, ``worker 3``, ``root``)."""
+    if name == "root":
+        return ROOT
+    role, rank = name.split()
+    return Node(role, int(rank))
+
+
+def adopt_key(parent: Node) -> str:
+    """The store counter of the children that re-attached to ``parent`` after theirs
+    died; ``<key>/<k>`` names the k-th (``TreePSStrategy``, ``Aggregator``)."""
+    return f"tree/adopt/{parent.name}"

@@ -511,14 +511,7 @@ class DownpourStrategy(Strategy):
             else:
                 keys, rows = _merge_rows(self.acc_rows, self.table.shape[1], self.table.dtype)
                 rows.div_(self.acc_count)
-        if self.table is not None:
-            reply = self.client.sparse_push(grad, keys, rows, self.clock, self.acc_versions)
-        elif (self.steps + 1) % self.fetch_every == 0:
-            reply = self.client.push_pull(grad, self.flat, self.clock, self.acc_versions)
-            self._load()
-            self.fresh = True
-        else:
-            reply = self.client.push(grad, self.clock, self.acc_versions)
+        reply = self._send(grad, keys, rows)
         if code is not None:
             self._ledger_acked(code)
         self.clock += 1
@@ -527,6 +520,17 @@ class DownpourStrategy(Strategy):
             self.acc_dense.zero_()
         self.acc_rows = []
         return reply
+
+    def _send(self, grad: torch.Tensor, keys: torch.Tensor | None, rows: torch.Tensor | None) -> Reply:
+        """One push to the servers, fused with the next fetch when one is due."""
+        if self.table is not None:
+            return self.client.sparse_push(grad, keys, rows, self.clock, self.acc_versions)
+        if (self.steps + 1) % self.fetch_every == 0:
+            reply = self.client.push_pull(grad, self.flat, self.clock, self.acc_versions)
+            self._load()
+            self.fresh = True
+            return reply
+        return self.client.push(grad, self.clock, self.acc_versions)
 
     def _ledger_code(self, grad: torch.Tensor) -> int:
         """``--ledger``: write this push's code (rank x 10^6 + clock) into the first element

@@ -34,8 +34,14 @@ With N = P and ``adv`` every aggregator waits for its whole subtree and the root
 subtree: synchronous training on global batches, equal to one process (contract 1).
 
 Faults: a lost worker or aggregator (killed, crashed) leaves the job running with the
-others, under every N; an aggregator's loss takes its subtree with it, and the summary's
-``lost_with`` says whose gradients stopped reaching the root with which process.
+others, under every N. When an aggregator dies its children re-attach to the nearest live
+ancestor (adv; adv*'s learners go straight to the root), which adopts them through the
+job's store (``ps/aggregator.py``'s ``reattach``), and send again the push the dead one
+held: the root recognises a push it already applied by its workers' clocks, so nothing is
+applied twice and nothing acknowledged is lost. The summary's ``reattached`` lists each
+move (who, from, to, at which step, in how many seconds), ``lost_aggregators`` the dead,
+and ``lost_with`` the workers whose gradients stopped with a process (none when its
+subtree re-attached). The root servers themselves are not replicated under tree-ps.
 """
 from __future__ import annotations
 
@@ -52,11 +58,12 @@ from torch import nn
 
 from plexus.config import JobConfig
 from plexus.errors import CommError, ConfigError
-from plexus.ps.aggregator import Aggregator
+from plexus.ps.aggregator import Aggregator, reattach
+from plexus.ps.client import PSClient, Reply
 from plexus.ps.protocol import Op
 from plexus.ps.readers import WeightReader
 from plexus.ps.server import KEYS
-from plexus.ps.tree import ROOT, Node, Tree
+from plexus.ps.tree import ROOT, Node, Tree, node_of
 from plexus.strategies.base import Context, LossFn, RoleContext, StepStats
 from plexus.strategies.downpour import DownpourStrategy, num_servers
 
@@ -175,8 +182,9 @@ class TreePSStrategy(DownpourStrategy):
         lost_with: dict[str, list[int]] = {}
         if cfg.strategy.variant != "base":
             for a in range(tree.aggregators):
-                if a not in aggregators:
-                    lost_with[f"aggregator {a}"] = list(tree.leaves(Node("aggregator", a)))
+                if a not in aggregators:  # its children re-attached; the workers that did not finish
+                    lost_with[f"aggregator {a}"] = [w for w in tree.leaves(Node("aggregator", a))
+                                                    if w not in records["worker"]]
         cut = {w for ws in lost_with.values() for w in ws}
         for w in range(workers):
             if w not in records["worker"] and w not in cut:
@@ -199,6 +207,11 @@ class TreePSStrategy(DownpourStrategy):
             weight_reads_by_worker={str(w): int(servers[0]["reads"].get(f"worker {w}", 0)) if 0 in servers else 0
                                     for w in range(workers)} if cfg.strategy.variant == "adv-star" else {},
             lost_workers=sorted(lost), lost_with=lost_with,
+            resent_pushes=sum(rec.get("resent_pushes", 0) for rec in servers.values()),
+            lost_aggregators=sorted(a for a in range(tree.aggregators) if a not in aggregators)
+            if cfg.strategy.variant != "base" else [],
+            reattached=sorted((e for rec in [*records["worker"].values(), *aggregators.values()]
+                               for e in rec.get("reattached", [])), key=lambda e: e["node"]),
             protocol_errors=out["protocol_errors"] + sum(r["protocol_errors"] for r in aggregators.values()),
         )
         return out
@@ -208,6 +221,7 @@ class TreePSStrategy(DownpourStrategy):
     def setup(self, model: nn.Module, loss_fn: LossFn, ctx: Context) -> None:
         self.tree = _tree(ctx.cfg)
         self.variant = ctx.cfg.strategy.variant
+        self.reattached: list[dict[str, Any]] = []
         super().setup(model, loss_fn, dataclasses.replace(ctx, cfg=self.effective(ctx.cfg)))
         try:
             self.star = _AsyncLearner(self) if self.variant == "adv-star" else None
@@ -219,13 +233,9 @@ class TreePSStrategy(DownpourStrategy):
             self.synchronous = False
 
     def lost_worker(self, rank: int) -> bool:
-        """Declared lost by its parent, or cut off with an aggregator above it."""
-        node = Node("worker", rank)
-        while node != ROOT:
-            if self.ctx.store.check([KEYS.lost(node.name)]):
-                return True
-            node = self.tree.parent(node) if self.variant != "base" else ROOT
-        return False
+        """Declared lost by its parent (a worker whose aggregator died re-attaches above it,
+        and is not lost with it)."""
+        return self.ctx.store.check([KEYS.lost(f"worker {rank}")])
 
     def table_of(self, model: nn.Module) -> nn.Module | None:
         # Aggregators sum dense gradients; an embedding table travels whole, like any weight.
@@ -243,13 +253,49 @@ class TreePSStrategy(DownpourStrategy):
             return super().step(x, y)
         return self.star.step(x, y)
 
+    # --- elastic tree: a worker whose aggregator died re-attaches above it ----------------
+
+    def _send(self, grad: torch.Tensor, keys: torch.Tensor | None, rows: torch.Tensor | None) -> Reply:
+        return self.upward(lambda: super(TreePSStrategy, self)._send(grad, keys, rows))
+
+    def upward(self, call, clock: int | None = None):
+        """``call()`` (the push of ``clock``, by default the next, through ``self.client``),
+        sent again to a new parent for as long as the parent it went to died (each
+        re-attachment climbs the tree)."""
+        while True:
+            try:
+                return call()
+            except CommError as exc:
+                if self.client.parent is None:  # the servers: nothing above them to re-attach to
+                    raise
+                self._reattach(exc, self.clock if clock is None else clock)
+
+    def _reattach(self, exc: CommError, clock: int) -> None:
+        started = time.monotonic()
+        me = Node("worker", self.rank)
+        dead = node_of(self.client.parent)
+        parent, sender = reattach(self.ctx.store, self.tree, me, dead, straight_to_root=self.variant == "adv-star")
+        logger.warning("worker %d: lost its parent %s (%s); re-attaching to %s", self.rank, dead.name, exc,
+                       "the servers" if parent == ROOT else parent.name)
+        old = self.client
+        self.client = PSClient(self.ctx.store, self.rank, old.servers, numel=self.flat.numel(), dtype=self.flat.dtype,
+                               traffic=self.ctx.traffic, timeout=self.cfg.cluster.timeout, net=self.cfg.cluster.net,
+                               transport=self.cfg.cluster.transport, sender=sender,
+                               parent=None if parent == ROOT else parent.name)
+        old.close()
+        self.client.acks = list(old.acks)  # acknowledgements count across parents
+        self.client.connect()
+        self.client.init(self.flat.clone(), clock=clock)
+        self.reattached.append({"node": me.name, "from": dead.name, "to": parent.name, "step": self.steps,
+                                "seconds": time.monotonic() - started})
+
     def final_model(self, rank: int) -> nn.Module | None:
         if self.star is not None:
             self.star.stop()
         return super().final_model(rank)
 
     def final_record(self) -> dict[str, Any]:
-        record = super().final_record()
+        record = {**super().final_record(), "reattached": list(self.reattached)}
         if self.star is not None:
             record.update(weight_reads=self.star.reads, weight_swaps=self.star.swaps)
         return record
@@ -366,7 +412,7 @@ class _AsyncLearner:
                 return
             grad, clock, versions, code = item
             with self.lock:
-                self.w.client.push(grad, clock, versions)
+                self.w.upward(lambda: self.w.client.push(grad, clock, versions), clock)
             if code is not None:
                 self.w._ledger_acked(code)
             self.pushed.release()
