@@ -205,6 +205,11 @@ class DictStore:
     def check(self, keys: list[str]) -> bool:
         return all(k in self.data for k in keys)
 
+    def add(self, key: str, amount: int) -> int:
+        value = int(self.data.get(key, b"0")) + amount
+        self.data[key] = str(value).encode()
+        return value
+
 
 def test_each_process_reports_its_cpu_and_the_summary_sums_them():
     from plexus.train.process import report_cpu
