@@ -108,7 +108,7 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(g, "dataset", help="digits, mnist1d, teacher, text, sparse, mnist, cifar10 or pkg.module:factory")
     _flag(g, "data-dir", help="folder with local dataset files (mnist, cifar10, text)")
     _flag(g, "num-samples", type=int, help="samples to generate for generated datasets")
-    _flag(g, "model", help="mlp, cnn, lm, logreg or pkg.module:factory")
+    _flag(g, "model", help="mlp, cnn, lm, logreg, towers, deep-mlp or pkg.module:factory")
     _flag(g, "hidden", type=int, help="hidden width (default 128)")
     _flag(g, "dtype", choices=["float32", "float64"], help="parameter and input type (default float32)")
     g = parser.add_argument_group("optimisation")

@@ -64,7 +64,7 @@ class DataConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class ModelConfig:
-    # A built-in model (mlp, cnn, lm, logreg) or a user factory "pkg.module:function"
+    # A built-in model (mlp, cnn, lm, logreg, towers, deep-mlp) or a user factory "pkg.module:function"
     # called with the Dataset and returning an nn.Module.
     model: str = "mlp"
     # Width of hidden layers (units for mlp, channels for cnn, embedding size for lm).
