@@ -1,0 +1,342 @@
+"""Partition plans and stage programs (plexus/parallel), checked against the whole model.
+
+The oracle: the stages run in one process (``forward_backward``) give the loss and every
+parameter's gradient of the unpartitioned model, and 20 SGD steps of the stages end
+where 20 steps of the whole model end. Transfers are counted send-once, and bad input
+is one ConfigError line (status 2 through the CLI).
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plexus.cli import main
+from plexus.config import PARTITION_METHODS, DataConfig, JobConfig, ModelConfig, parse_size
+from plexus.errors import ConfigError
+from plexus.parallel import (METHODS, build_stages, forward_backward, merge_state_dicts, plan_partitions,
+                             trace_model)
+from plexus.train.data import load_dataset
+from plexus.train.models import CharTransformer, Towers, build_model
+
+BATCH = 16
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_dataset(DataConfig(dataset="digits"), seed=0)
+
+
+def _model(name: str, data, hidden: int = 16) -> nn.Module:
+    torch.manual_seed(0)
+    return build_model(ModelConfig(model=name, hidden=hidden), data)
+
+
+def _batch(data, step: int = 0):
+    lo = (step * BATCH) % (len(data.x_train) - BATCH)
+    return data.x_train[lo:lo + BATCH], data.y_train[lo:lo + BATCH]
+
+
+def _stage_params(stages) -> dict[str, torch.Tensor]:
+    return {name: p for s in stages for name, p in s.module.named_parameters()}
+
+
+MODELS = ("mlp", "cnn", "towers", "deep-mlp")
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("stages", (2, 3, 4))
+def test_stages_give_the_whole_models_loss_and_gradients(digits, name, stages):
+    model = _model(name, digits)
+    x, y = _batch(digits)
+    graph = trace_model(model, x)
+    for method in ("uniform", "params"):
+        plan = plan_partitions(graph, stages, method)
+        programs = build_stages(graph, plan)
+        loss, out = forward_backward(programs, {"x": x}, lambda o: F.cross_entropy(o, y), graph.output)
+        whole = copy.deepcopy(model)
+        expected_out = whole(x)
+        expected = F.cross_entropy(expected_out, y)
+        expected.backward()
+        torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=0)
+        torch.testing.assert_close(out, expected_out.detach(), rtol=1e-5, atol=1e-7)
+        grads = {k: p.grad for k, p in _stage_params(programs).items()}
+        assert set(grads) == {k for k, _ in whole.named_parameters()}
+        for key, p in whole.named_parameters():
+            torch.testing.assert_close(grads[key], p.grad, rtol=1e-5, atol=1e-7, msg=f"{name} {method} {key}")
+        # The stages' state_dicts make the model's own (strict load).
+        state = merge_state_dicts(s.module.state_dict() for s in programs)
+        copy.deepcopy(model).load_state_dict(state, strict=True)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_twenty_sgd_steps_of_stages_equal_the_whole_model(digits, name):
+    model = _model(name, digits)
+    graph = trace_model(model, _batch(digits)[0])
+    plan = plan_partitions(graph, 3, "uniform")
+    programs = build_stages(graph, plan)
+    whole = copy.deepcopy(model)
+    opt_whole = torch.optim.SGD(whole.parameters(), lr=0.05, momentum=0.9)
+    opts = [torch.optim.SGD(s.module.parameters(), lr=0.05, momentum=0.9) for s in programs]
+    for step in range(20):
+        x, y = _batch(digits, step)
+        for opt in (opt_whole, *opts):
+            opt.zero_grad()
+        F.cross_entropy(whole(x), y).backward()
+        forward_backward(programs, {"x": x}, lambda o: F.cross_entropy(o, y), graph.output)
+        for opt in (opt_whole, *opts):
+            opt.step()
+    state = merge_state_dicts(s.module.state_dict() for s in programs)
+    for key, value in whole.state_dict().items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    # The traced model itself was not trained: stages hold copies.
+    trained = whole.state_dict()
+    assert all(not torch.equal(value, trained[key]) for key, value in model.state_dict().items())
+
+
+def test_branches_on_different_stages_form_a_dag(digits):
+    """Towers' columns come one after the other in the topological order: cutting at the
+    second column's first layer and at the join puts the columns on stages 0 and 1 and
+    the head on stage 2, and the flattened input skips from stage 0 to stage 1."""
+    model = _model("towers", digits)
+    x, y = _batch(digits)
+    graph = trace_model(model, x)
+    plan = plan_partitions(graph, 3, "manual", split_points=("towers.1", "cat"))
+    assert [p.compute[0] for p in plan.partitions] == ["flatten", "towers_1_0", "cat"]
+    edges = {(t.producer, t.src, t.dst) for t in plan.transfers}
+    assert edges == {("flatten", 0, 1), ("towers_0_3", 0, 2), ("towers_1_3", 1, 2)}
+    programs = build_stages(graph, plan)
+    loss, _ = forward_backward(programs, {"x": x}, lambda o: F.cross_entropy(o, y), graph.output)
+    whole = copy.deepcopy(model)
+    expected = F.cross_entropy(whole(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=0)
+    grads = _stage_params(programs)
+    for key, p in whole.named_parameters():
+        torch.testing.assert_close(grads[key].grad, p.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_a_value_read_by_several_nodes_of_a_stage_is_sent_once(digits):
+    """flatten's output feeds both columns' first layers; with both on stage 1 it crosses
+    the cut once, where counting consumers would send it twice."""
+    model = _model("towers", digits, hidden=8)
+    x, _ = _batch(digits)
+    graph = trace_model(model, x)
+    plan = plan_partitions(graph, 2, "manual", split_points=("towers.0.0",))
+    flat = graph.by_name["flatten"]
+    assert flat.out_bytes == x.numel() * 4
+    consumers = [n for n in graph.nodes if "flatten" in n.inputs and plan.assignment[n.name] == 1]
+    assert len(consumers) == 2  # the naive count: one message per consuming node
+    sent = [t for t in plan.transfers if t.producer == "flatten"]
+    assert len(sent) == 1 and sent[0].nbytes == flat.out_bytes and (sent[0].src, sent[0].dst) == (0, 1)
+    assert plan.partitions[1].bytes_in == flat.out_bytes == plan.partitions[0].bytes_out
+    # flatten(x) depends on no parameter: no gradient goes back, one message per step.
+    assert plan.traffic() == {(0, 1): (1, flat.out_bytes)}
+    # The stage program takes it as one input and stage 0 returns it once.
+    stages = build_stages(graph, plan)
+    assert stages[0].outputs == ("flatten",) and stages[1].inputs == ("flatten",)
+
+
+def test_traffic_counts_gradients_back(digits):
+    model = _model("mlp", digits, hidden=8)
+    x, _ = _batch(digits)
+    graph = trace_model(model, x)
+    plan = plan_partitions(graph, 2, "manual", split_points=("net.3",))
+    (t,) = plan.transfers
+    assert t.producer == "net_2" and t.grad and t.nbytes == BATCH * 8 * 4
+    assert plan.traffic() == {(0, 1): (1, t.nbytes), (1, 0): (1, t.nbytes)}
+
+
+def test_methods_and_config_agree():
+    assert METHODS == PARTITION_METHODS
+
+
+def test_uniform_counts_computing_nodes_only(digits):
+    graph = trace_model(_model("deep-mlp", digits), _batch(digits)[0])
+    assert len(graph.compute) == 16  # flatten, 8 Linear, 7 ReLU; the placeholder does not count
+    plan = plan_partitions(graph, 4, "uniform")
+    assert [len(p.compute) for p in plan.partitions] == [4, 4, 4, 4]
+    assert "x" in plan.partitions[0].nodes
+
+
+def _brute_force(graph, stages: int, cost) -> float:
+    """The smallest largest cost over every cut of the computing nodes into ``stages``
+    contiguous non-empty ranges."""
+    from itertools import combinations
+    n = len(graph.compute)
+    best = float("inf")
+    for inner in combinations(range(1, n), stages - 1):
+        plan = plan_partitions(graph, stages, "manual", split_points=[graph.compute[i].name for i in inner])
+        best = min(best, max(cost(p) for p in plan.partitions))
+    return best
+
+
+def test_params_and_time_are_exact_min_max_cuts(digits):
+    graph = trace_model(_model("deep-mlp", digits, hidden=64), _batch(digits)[0], profile=True, repeats=1)
+    for stages in (2, 3):
+        plan = plan_partitions(graph, stages, "params")
+        assert max(p.param_bytes for p in plan.partitions) == _brute_force(graph, stages, lambda p: p.param_bytes)
+        plan = plan_partitions(graph, stages, "time")
+        assert max(p.time_s for p in plan.partitions) == pytest.approx(
+            _brute_force(graph, stages, lambda p: p.time_s), rel=1e-12)
+
+
+def test_time_method_profiles_and_respects_the_memory_cap(digits):
+    model = _model("deep-mlp", digits, hidden=128)
+    x, _ = _batch(digits)
+    graph = trace_model(model, x, profile=True, repeats=1)
+    assert all(n.forward_s > 0 for n in graph.compute)
+    free = plan_partitions(graph, 3, "time")
+    assert all(p.time_s > 0 for p in free.partitions)
+    # A cap a little above the largest single layer's need forces a spread: no stage over it.
+    single = max(plan_partitions(graph, len(graph.compute), "uniform").partitions, key=lambda p: p.memory_bytes)
+    cap = int(single.memory_bytes * 2.5)
+    stages = max(3, -(-sum(p.memory_bytes for p in free.partitions) // cap) + 1)
+    capped = plan_partitions(graph, stages, "time", memory_cap=cap)
+    assert all(p.memory_bytes <= cap for p in capped.partitions)
+    # Too few stages for that cap: the fewest that fit are named.
+    with pytest.raises(ConfigError, match=r"cannot hold the model under --stage-memory .* it needs at least \d+"):
+        plan_partitions(graph, 2, "time", memory_cap=cap)
+    # uniform is refused when a stage exceeds the cap (it does not search).
+    with pytest.raises(ConfigError, match="more than --stage-memory"):
+        plan_partitions(graph, 2, "uniform", memory_cap=cap)
+
+
+def test_a_layer_larger_than_the_cap_has_no_legal_cut(digits):
+    graph = trace_model(_model("deep-mlp", digits, hidden=256), _batch(digits)[0])
+    with pytest.raises(ConfigError, match=r"node net_3 \(net\.3\) alone needs .* no cut is legal") as err:
+        plan_partitions(graph, 4, "params", memory_cap=300_000)
+    assert "\n" not in str(err.value)
+
+
+def test_bad_input_is_one_config_error_line(digits):
+    graph = trace_model(_model("mlp", digits), _batch(digits)[0])
+    cases = [
+        (dict(stages=7, method="uniform"), "stages must lie in \\[1, 6\\]"),
+        (dict(stages=0, method="params"), "stages must lie"),
+        (dict(stages=2, method="manual", split_points=("nope",)), "split point 'nope' is neither"),
+        (dict(stages=2, method="manual", split_points=("net.0",)), "first node"),
+        (dict(stages=3, method="manual", split_points=("net.3",)), "one stage more than split points"),
+        (dict(stages=3, method="manual", split_points=("net.3", "net_3")), "same node twice"),
+        (dict(stages=2, method="random"), "partition must be one of"),
+    ]
+    for kwargs, pattern in cases:
+        with pytest.raises(ConfigError, match=pattern) as err:
+            plan_partitions(graph, kwargs.pop("stages"), kwargs.pop("method"), **kwargs)
+        assert "\n" not in str(err.value)
+
+
+def test_an_untraceable_model_names_the_offending_call():
+    model = CharTransformer(vocab=10, max_len=8, hidden=8)
+    with pytest.raises(ConfigError, match=r"CharTransformer\.forward of the model itself at models\.py:\d+ "
+                                          r"`if x\.dtype != torch\.int64") as err:
+        trace_model(model, torch.zeros(2, 8, dtype=torch.long))
+    assert "\n" not in str(err.value)
+
+    class Gate(nn.Module):
+        def forward(self, x):
+            return x if x.sum() > 0 else -x
+
+    inner = nn.Sequential(nn.Linear(4, 4), Gate())
+    with pytest.raises(ConfigError, match=r"Gate\.forward of inner\.1 at test_partition\.py:\d+ `return x if"):
+        trace_model(_Wrap(inner), torch.randn(3, 4))
+
+
+class _Wrap(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x) * 2
+
+
+def test_an_untraceable_sequential_falls_back_to_its_children():
+    class Gate(nn.Module):
+        def forward(self, x):
+            return x if x.sum() > 0 else -x
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), Gate(), nn.Linear(6, 3))
+    x, y = torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])
+    graph = trace_model(model, x)
+    assert [n.target for n in graph.compute] == ["0", "1", "2"]
+    plan = plan_partitions(graph, 3, "uniform")
+    programs = build_stages(graph, plan)
+    loss, _ = forward_backward(programs, {graph.nodes[0].name: x}, lambda o: F.cross_entropy(o, y), graph.output)
+    whole = copy.deepcopy(model)
+    expected = F.cross_entropy(whole(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=0)
+
+
+def test_towers_model_joins_its_columns_late(digits):
+    model = _model("towers", digits)
+    assert isinstance(model, Towers) and len(model.towers) == 2
+    assert model(_batch(digits)[0]).shape == (BATCH, 10)
+
+
+def test_parse_size():
+    assert parse_size("2GB") == 2 * 10**9 and parse_size("512MB") == 512 * 10**6
+    assert parse_size("1.5GiB") == 3 * 2**29 and parse_size("1000") == 1000
+    for bad in ("2XB", "-1GB", "", "GB"):
+        with pytest.raises(ConfigError, match="stage_memory must be a positive size"):
+            parse_size(bad)
+
+
+def test_config_checks_the_parallel_fields():
+    cfg = JobConfig.from_flat({"stages": 3, "partition": "manual", "split_points": "net.3, net.5"})
+    assert cfg.parallel.split_point_names == ("net.3", "net.5") and cfg.parallel.partition == "manual"
+    assert JobConfig.from_flat({}).parallel.partition == "params" and JobConfig.from_flat({}).parallel.stages == 1
+    assert JobConfig.from_flat({"stage_memory": "2GB"}).parallel.stage_memory_bytes == 2 * 10**9
+    assert JobConfig.from_dict(JobConfig.from_flat({"stages": 2}).to_dict()).parallel.stages == 2
+    for flat, pattern in [({"stages": 0}, "stages must be at least 1"),
+                          ({"partition": "manual"}, "split_points must name at least one node"),
+                          ({"partition": "manual", "split_points": "a,b"}, "stages must be one more than the 2"),
+                          ({"split_points": "a"}, "split_points apply to --partition manual only"),
+                          ({"stage_memory": "lots"}, "stage_memory must be a positive size")]:
+        with pytest.raises(ConfigError, match=pattern):
+            JobConfig.from_flat(flat)
+
+
+def test_cli_print_partition(capsys):
+    assert main(["train", "--model", "towers", "--stages", "3", "--print-partition", "--batch-size", "32",
+                 "--hidden", "16"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("towers on digits: 3 stages by --partition params, 11 computing nodes, batch 32")
+    assert out[1].split() == ["stage", "nodes", "params", "pred", "ms", "memory", "in/step", "out/step"]
+    rows = [line.split() for line in out[2:5]]
+    assert [r[0] for r in rows] == ["0", "1", "2"]
+    assert rows[0][1].startswith("flatten..") and rows[2][1].endswith("..head")
+    assert sum(int(r[3].replace(",", "")) for r in rows) == sum(
+        p.numel() for p in _model("towers", load_dataset(DataConfig(dataset="digits")), hidden=16).parameters())
+    assert out[5].startswith("transfers (each value once per receiving stage, per step of batch 32): flatten 0->1")
+
+
+def test_cli_print_partition_time_and_manual(capsys):
+    assert main(["train", "--model", "cnn", "--stages", "2", "--partition", "manual", "--split-points", "net.4",
+                 "--print-partition"]) == 0
+    out = capsys.readouterr().out
+    assert "net_0..net_3 (4)" in out and "net_4..net_8 (5)" in out
+    assert main(["train", "--model", "mlp", "--stages", "2", "--partition", "time", "--print-partition"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert all(float(line.split()[4]) > 0 for line in out[2:4])
+
+
+@pytest.mark.parametrize("argv, pattern", [
+    (["--stages", "99", "--print-partition"], "stages must lie in [1, 6]"),
+    (["--stages", "2", "--partition", "manual", "--split-points", "nope", "--print-partition"],
+     "split point 'nope' is neither"),
+    (["--model", "lm", "--dataset", "text", "--num-samples", "40", "--stages", "2", "--print-partition"],
+     "CharTransformer.forward of the model itself"),
+    (["--model", "deep-mlp", "--hidden", "256", "--stages", "4", "--stage-memory", "300kB", "--print-partition"],
+     "alone needs"),
+    (["--stages", "2"], "the partitioned executor does not run yet"),
+])
+def test_cli_bad_partition_exits_2_with_one_line(capsys, argv, pattern):
+    assert main(["train", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and pattern in err, err
