@@ -340,3 +340,37 @@ def test_cli_bad_partition_exits_2_with_one_line(capsys, argv, pattern):
     assert main(["train", *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and pattern in err, err
+
+
+class _Tied(nn.Module):
+    """Two layers sharing one weight (tie, untie) and a layer called twice (mid)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(6, 4, bias=False)
+        self.mid = nn.Linear(4, 4)
+        self.dec = nn.Linear(4, 6, bias=False)
+        self.tie = nn.Linear(6, 6)
+        self.untie = nn.Linear(6, 6)
+        self.untie.weight = self.tie.weight
+
+    def forward(self, x):
+        return self.untie(self.dec(self.mid(self.mid(self.enc(self.tie(x))))))
+
+
+def test_weights_used_from_two_stages_are_refused():
+    graph = trace_model(_Tied(), torch.randn(3, 6))
+    assert [n.name for n in graph.compute] == ["tie", "enc", "mid", "mid_1", "dec", "untie"]
+    with pytest.raises(ConfigError, match="module mid is used in stages 0 and 1"):
+        plan_partitions(graph, 2, "manual", split_points=("mid_1",))
+    with pytest.raises(ConfigError, match=r"parameter untie.weight \(tied to tie.weight\) is used in stages 0 and 1"):
+        plan_partitions(graph, 2, "manual", split_points=("dec",))
+    # The tied parameter is owned once: by the first node that uses it.
+    assert graph.by_name["tie"].params == ("tie.weight", "tie.bias") and graph.by_name["untie"].params == ("untie.bias",)
+
+
+def test_new_models_refuse_token_data():
+    text = load_dataset(DataConfig(dataset="text", num_samples=40), seed=0)
+    for name in ("towers", "deep-mlp"):
+        with pytest.raises(ConfigError, match=f"model '{name}' needs dense float inputs"):
+            _model(name, text)

@@ -268,7 +268,8 @@ def trace_model(model: nn.Module, sample: torch.Tensor, *, profile: bool = False
 
     A model that fx cannot trace raises ConfigError naming the first call that failed,
     unless it is an nn.Sequential: then its direct children become opaque nodes.
-    ``profile`` times each node's forward and backward (the ``time`` method needs it).
+    ``profile`` times each node's forward and backward (the ``time`` method needs it);
+    it leaves the model's parameters with ``.grad`` None.
     """
     gm = _symbolic(model)
     recorder = _Recorder(gm, repeats if profile else 0)
@@ -494,21 +495,27 @@ def _make_plan(graph: ModelGraph, costs: _Costs, method: str, cuts: list[int], c
             param_count=sum(i.param_count for i in infos), time_s=seconds, memory_bytes=memory,
             bytes_in=sum(t.nbytes for t in transfers if t.dst == s),
             bytes_out=sum(t.nbytes for t in transfers if t.src == s)))
-    _check_shared_modules(graph, assignment)
+    _check_shared_weights(graph, assignment)
     return PartitionPlan(method=method, batch=graph.batch, partitions=tuple(partitions), transfers=tuple(transfers),
                          assignment=assignment, output_stage=assignment[graph.output])
 
 
-def _check_shared_modules(graph: ModelGraph, assignment: dict[str, int]) -> None:
-    """A module called from two stages would train two copies of its weights: refused."""
-    where: dict[str, int] = {}
+def _check_shared_weights(graph: ModelGraph, assignment: dict[str, int]) -> None:
+    """A module, or a parameter (tied weights), used from two stages would be trained as
+    two copies in two processes: refused. A get_attr value read in another stage is
+    sent like any value (its gradient comes back), so only modules are checked."""
+    modules = dict(graph.module.named_modules())
+    where: dict[int, tuple[str, int]] = {}
     for n in graph.nodes:
-        if n.op == "call_module":
-            s = where.setdefault(n.target, assignment[n.name])
-            if s != assignment[n.name]:
-                raise ConfigError(f"module {n.target} is called in stages {s} and {assignment[n.name]}; its "
-                                  f"weights must live in one stage: move the split points so that every call of "
-                                  f"it falls in one stage")
+        if n.op != "call_module":
+            continue
+        stage = assignment[n.name]
+        for key, p in [(n.target, modules[n.target]), *modules[n.target].named_parameters(prefix=n.target)]:
+            first, s = where.setdefault(id(p), (key, stage))
+            if s != stage:
+                what = f"module {key}" if key == first else f"parameter {key} (tied to {first})"
+                raise ConfigError(f"{what} is used in stages {s} and {stage}; its weights must live in one stage: "
+                                  f"move the split points so that every use of it falls in one stage")
 
 
 def format_plan(plan: PartitionPlan, graph: ModelGraph) -> str:

@@ -160,7 +160,10 @@ class DeepMLP(nn.Module):
     """Flatten, then ``layers`` Linear layers of width ``hidden`` with ReLUs between them.
 
     Deep enough that under a small ``--stage-memory`` its layers do not fit one process
-    and a partition plan must spread them over several stages.
+    and a partition plan must spread them over several stages. The layers before a ReLU
+    take He et al. (2015) initialisation (variance 2 / fan_in): torch's default has a
+    sixth of that variance, so behind each ReLU the signal's power falls sixfold and eight
+    layers barely train (digits: 53% after 300 steps, against 96%).
     """
 
     def __init__(self, in_features: int, hidden: int, num_classes: int, layers: int = 8) -> None:
@@ -170,7 +173,10 @@ class DeepMLP(nn.Module):
         widths = [in_features] + [hidden] * (layers - 1)
         body: list[nn.Module] = [nn.Flatten()]
         for fan_in, fan_out in zip(widths[:-1], widths[1:]):
-            body += [nn.Linear(fan_in, fan_out), nn.ReLU()]
+            linear = nn.Linear(fan_in, fan_out)
+            nn.init.kaiming_normal_(linear.weight, nonlinearity="relu")
+            nn.init.zeros_(linear.bias)
+            body += [linear, nn.ReLU()]
         body.append(nn.Linear(hidden, num_classes))
         self.net = nn.Sequential(*body)
 
