@@ -366,7 +366,8 @@ def test_weights_used_from_two_stages_are_refused():
     with pytest.raises(ConfigError, match=r"parameter untie.weight \(tied to tie.weight\) is used in stages 0 and 1"):
         plan_partitions(graph, 2, "manual", split_points=("dec",))
     # The tied parameter is owned once: by the first node that uses it.
-    assert graph.by_name["tie"].params == ("tie.weight", "tie.bias") and graph.by_name["untie"].params == ("untie.bias",)
+    assert graph.by_name["tie"].params == ("tie.weight", "tie.bias")
+    assert graph.by_name["untie"].params == ("untie.bias",)
 
 
 def test_new_models_refuse_token_data():
@@ -374,3 +375,29 @@ def test_new_models_refuse_token_data():
     for name in ("towers", "deep-mlp"):
         with pytest.raises(ConfigError, match=f"model '{name}' needs dense float inputs"):
             _model(name, text)
+
+
+def _naive_range(graph, costs, lo: int, hi: int) -> tuple[float, int, int, int, int]:
+    """measure(lo, hi) from sets, the definition the incremental sweep must equal."""
+    inside = [n for n in graph.nodes if lo <= costs.pos[n.name] < hi]
+    names = {n.name for n in inside}
+    received = [graph.by_name[i] for i in sorted({i for n in inside for i in n.inputs if i not in names})]
+    sent = [n for n in inside if any(u not in names for u in costs.users[n.name])]
+    crossing = received + sent
+    params = sum(n.param_bytes for n in inside)
+    memory = 3 * params + sum(n.out_bytes for n in inside if n.op != "get_attr") + sum(v.out_bytes for v in received)
+    comm = sum(1 + v.out_grad for v in crossing) * 1e-4 + sum(v.out_bytes * (1 + v.out_grad) for v in crossing) / 1e8
+    seconds = sum(n.forward_s + n.backward_s for n in inside) + comm
+    return seconds, memory, params, sum(v.out_bytes for v in received), sum(v.out_bytes for v in sent)
+
+
+@pytest.mark.parametrize("name", ("towers", "cnn"))
+def test_incremental_range_costs_equal_their_definition(digits, name):
+    from plexus.parallel.partition import _Costs
+    graph = trace_model(_model(name, digits), _batch(digits)[0], profile=True, repeats=1)
+    costs = _Costs(graph, optimizer_slots=1, bandwidth=1e8, latency=1e-4)
+    n = len(graph.compute)
+    for lo in range(n):
+        for hi, figures in enumerate(costs.sweep(lo), lo + 1):
+            expected = _naive_range(graph, costs, lo, hi)
+            assert figures[1:] == expected[1:] and figures[0] == pytest.approx(expected[0], rel=1e-12), (lo, hi)

@@ -12,9 +12,11 @@ topological order are not only chains: when two independent branches (the column
 ``Towers``) are listed one after the other, a cut between them puts the branches on
 different stages, and the plan's transfers form a DAG (the input skips from stage 0 to
 stage 2, say). What contiguous ranges cannot express is a stage holding two pieces that
-are far apart in that order; manual split points are cuts of the same order, so they
-share the limit. It keeps the exact solver small: a dynamic programme over O(n^2)
-ranges.
+are far apart in that order, and no other order is searched: a forward that
+interleaves its branches' calls gets ranges that cut across the branches. Manual split
+points are cuts of the same order, so they share the limit. It keeps the exact solver
+small: a min-max dynamic programme over the O(n^2) ranges, O(k n^2) steps after pricing
+each range in O(n), fine for graphs of hundreds of nodes.
 
 Transfers are counted send-once: a value produced in stage p and read by several nodes
 of stage q is one transfer p -> q, carrying the value's bytes once per step (and its
@@ -27,7 +29,7 @@ import math
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Literal, Sequence
+from typing import Any, Iterator, Literal, Sequence
 
 import torch
 from torch import fx, nn
@@ -130,7 +132,9 @@ class Partition:
     params: tuple[str, ...]
     param_bytes: int
     param_count: int
-    # Predicted seconds per step: forward + backward + its transfers' time.
+    # Predicted seconds per step: profiled forward + backward (0 unprofiled) plus its
+    # transfers, forward and gradients back, at the plan's latency and bandwidth, with a
+    # value sent to several stages priced once (_Costs.measure).
     time_s: float
     # Predicted bytes: params, grads, optimizer state, activations and received values.
     memory_bytes: int
@@ -332,24 +336,62 @@ class _Costs:
         for n in reversed(graph.nodes):  # reversed: a node's users are placed first
             if not n.computes:
                 self.pos[n.name] = min((self.pos[u] for u in self.users[n.name] if u in self.pos), default=0)
+        self.at: list[list[GraphNode]] = [[] for _ in self.compute]
+        for n in graph.nodes:  # graph order: a position's placeholders before its computing node
+            if self.compute:
+                self.at[self.pos[n.name]].append(n)
+
+    def sweep(self, lo: int) -> Iterator[tuple[float, int, int, int, int]]:
+        """``measure(lo, hi)`` for hi = lo + 1, ..., n in turn, each in time linear in the
+        nodes it adds: every range of every lo in O(n^2 + edges) all told."""
+        compute_s, params, activations = 0.0, 0, 0
+        inside: set[str] = set()
+        received: set[str] = set()  # once each, however many nodes inside read it
+        waiting: dict[str, int] = {}  # inside, with users at or after hi: sent
+        # [messages, bytes] of values received and of values sent, each once, forward and
+        # back (a value with a gradient crosses twice).
+        recv, sent = [0, 0, 0], [0, 0, 0]  # count, forward bytes, bytes with gradients
+
+        def cross(tally: list[int], node: GraphNode, sign: int) -> None:
+            tally[0] += sign * (1 + node.out_grad)
+            tally[1] += sign * node.out_bytes
+            tally[2] += sign * node.out_bytes * (1 + node.out_grad)
+
+        for hi in range(lo + 1, len(self.compute) + 1):
+            for node in self.at[hi - 1]:
+                inside.add(node.name)
+                compute_s += node.forward_s + node.backward_s
+                params += node.param_bytes
+                activations += node.out_bytes if node.op != "get_attr" else 0
+                for i in node.inputs:
+                    if i in received:
+                        continue
+                    if i not in inside:
+                        received.add(i)
+                        cross(recv, self.graph.by_name[i], 1)
+                    else:
+                        waiting[i] -= 1
+                        if not waiting[i]:
+                            del waiting[i]
+                            cross(sent, self.graph.by_name[i], -1)
+                if self.users[node.name]:
+                    waiting[node.name] = len(self.users[node.name])
+                    cross(sent, node, 1)
+            memory = (2 + self.optimizer_slots) * params + activations + recv[1]
+            comm = (recv[0] + sent[0]) * self.latency + (recv[2] + sent[2]) / self.bandwidth
+            yield compute_s + comm, memory, params, recv[1], sent[1]
 
     def measure(self, lo: int, hi: int) -> tuple[float, int, int, int, int]:
         """(seconds, memory bytes, parameter bytes, bytes in, bytes out) of the range
-        [lo, hi); bytes out counts each value once however many later stages read it."""
-        g, pos = self.graph, self.pos
-        inside = [n for n in g.nodes if lo <= pos[n.name] < hi]
-        names = {n.name for n in inside}
-        received = {i for n in inside for i in n.inputs if i not in names}
-        sent = [n for n in inside if any(u not in names for u in self.users[n.name])]
-        b_in = sum(g.by_name[i].out_bytes for i in received)
-        b_out = sum(n.out_bytes for n in sent)
-        params = sum(n.param_bytes for n in inside)
-        activations = sum(n.out_bytes for n in inside if n.op != "get_attr")
-        memory = (2 + self.optimizer_slots) * params + activations + b_in
-        messages = len(received) + len(sent)
-        comm = 2 * (messages * self.latency + (b_in + b_out) / self.bandwidth)
-        seconds = sum(n.forward_s + n.backward_s for n in inside) + comm
-        return seconds, memory, params, b_in, b_out
+        [lo, hi): profiled compute plus each crossing value forward and, when it has one,
+        its gradient back. A value sent to several later stages is priced once here,
+        since the range alone does not say how many stages those are: a lower bound on
+        the sender's cost that keeps the dynamic programme exact for this model. The
+        plan's transfers and bytes_out count each receiving stage."""
+        for i, figures in enumerate(self.sweep(lo), lo + 1):
+            if i == hi:
+                return figures
+        raise IndexError(f"range [{lo}, {hi}) is outside the {len(self.compute)} computing nodes")
 
 
 def _min_max_cuts(n: int, k: int, cost: list[list[float]]) -> list[int] | None:
@@ -440,8 +482,7 @@ def plan_partitions(graph: ModelGraph, stages: int, method: Method = "params", *
             raise ValueError("the time method needs a graph traced with profile=True")
         table: list[list[float]] = [[math.inf] * (n + 1) for _ in range(n + 1)]
         for lo in range(n):
-            for hi in range(lo + 1, n + 1):
-                seconds, memory, params, _, _ = costs.measure(lo, hi)
+            for hi, (seconds, memory, params, _, _) in enumerate(costs.sweep(lo), lo + 1):
                 if memory <= cap:
                     table[lo][hi] = seconds if method == "time" else float(params)
         found = _min_max_cuts(n, stages, table)
@@ -464,8 +505,10 @@ def _no_legal_cut(costs: _Costs, graph: ModelGraph, stages: int, cap: float) -> 
     needed, lo = 0, 0
     while lo < len(compute):  # greedy: the fewest stages that fit
         hi = lo + 1
-        while hi < len(compute) and costs.measure(lo, hi + 1)[1] <= cap:
-            hi += 1
+        for end, figures in enumerate(costs.sweep(lo), lo + 1):
+            if figures[1] > cap:
+                break
+            hi = end
         needed, lo = needed + 1, hi
     return ConfigError(f"{stages} stages cannot hold the model under --stage-memory {format_bytes(cap)}: it needs "
                        f"at least {needed}; pass --stages {needed} or a larger --stage-memory")
