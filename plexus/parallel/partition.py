@@ -91,8 +91,9 @@ class GraphNode:
 
 @dataclass(frozen=True, eq=False)
 class ModelGraph:
-    """A traced model: its GraphModule, its nodes in topological order (the output node
-    left out) and the node whose value the model returns."""
+    """A traced model: its GraphModule (which holds the traced model's own parameters,
+    not copies), its nodes in topological order (the output node left out) and the node
+    whose value the model returns."""
 
     module: fx.GraphModule
     nodes: tuple[GraphNode, ...]

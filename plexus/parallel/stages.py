@@ -8,6 +8,12 @@ forward, the loss at the output's stage, then backward in reverse order, each st
 received values being leaf tensors whose ``.grad`` is what it sends back. Its gradients
 and loss equal the whole model's (tests/test_partition.py), which makes it the oracle
 for the multi-process executor.
+
+A stage program returns everything it sends at the end of its forward. So two branches
+placed on stages 0 and 1 overlap in time only across micro-batches (a pipeline), not
+within one: stage 1 waits for stage 0's whole forward even when it needs only a value
+stage 0 computed first. Sending each value as soon as it is computed would need the
+stage cut further, at its send points; nothing here does that yet.
 """
 from __future__ import annotations
 
