@@ -56,7 +56,10 @@ def test_stages_give_the_whole_models_loss_and_gradients(digits, name, stages):
     for method in ("uniform", "params"):
         plan = plan_partitions(graph, stages, method)
         programs = build_stages(graph, plan)
-        loss, out = forward_backward(programs, {"x": x}, lambda o: F.cross_entropy(o, y), graph.output)
+        traffic: dict = {}
+        loss, out = forward_backward(programs, {"x": x}, lambda o: F.cross_entropy(o, y), traffic)
+        # Every value passed between stages, forward and back, is what the plan predicted.
+        assert traffic == plan.traffic()
         whole = copy.deepcopy(model)
         expected_out = whole(x)
         expected = F.cross_entropy(expected_out, y)
@@ -86,7 +89,7 @@ def test_twenty_sgd_steps_of_stages_equal_the_whole_model(digits, name):
         for opt in (opt_whole, *opts):
             opt.zero_grad()
         F.cross_entropy(whole(x), y).backward()
-        forward_backward(programs, {"x": x}, lambda o: F.cross_entropy(o, y), graph.output)
+        forward_backward(programs, {"x": x}, lambda o: F.cross_entropy(o, y))
         for opt in (opt_whole, *opts):
             opt.step()
     state = merge_state_dicts(s.module.state_dict() for s in programs)
@@ -109,7 +112,7 @@ def test_branches_on_different_stages_form_a_dag(digits):
     edges = {(t.producer, t.src, t.dst) for t in plan.transfers}
     assert edges == {("flatten", 0, 1), ("towers_0_3", 0, 2), ("towers_1_3", 1, 2)}
     programs = build_stages(graph, plan)
-    loss, _ = forward_backward(programs, {"x": x}, lambda o: F.cross_entropy(o, y), graph.output)
+    loss, _ = forward_backward(programs, {"x": x}, lambda o: F.cross_entropy(o, y))
     whole = copy.deepcopy(model)
     expected = F.cross_entropy(whole(x), y)
     expected.backward()
@@ -138,6 +141,9 @@ def test_a_value_read_by_several_nodes_of_a_stage_is_sent_once(digits):
     # The stage program takes it as one input and stage 0 returns it once.
     stages = build_stages(graph, plan)
     assert stages[0].outputs == ("flatten",) and stages[1].inputs == ("flatten",)
+    traffic: dict = {}
+    forward_backward(stages, {"x": x}, lambda o: o.sum(), traffic)
+    assert traffic == {(0, 1): (1, flat.out_bytes)}
 
 
 def test_traffic_counts_gradients_back(digits):
@@ -266,7 +272,7 @@ def test_an_untraceable_sequential_falls_back_to_its_children():
     assert [n.target for n in graph.compute] == ["0", "1", "2"]
     plan = plan_partitions(graph, 3, "uniform")
     programs = build_stages(graph, plan)
-    loss, _ = forward_backward(programs, {graph.nodes[0].name: x}, lambda o: F.cross_entropy(o, y), graph.output)
+    loss, _ = forward_backward(programs, {graph.nodes[0].name: x}, lambda o: F.cross_entropy(o, y))
     whole = copy.deepcopy(model)
     expected = F.cross_entropy(whole(x), y)
     expected.backward()
@@ -401,3 +407,53 @@ def test_incremental_range_costs_equal_their_definition(digits, name):
         for hi, figures in enumerate(costs.sweep(lo), lo + 1):
             expected = _naive_range(graph, costs, lo, hi)
             assert figures[1:] == expected[1:] and figures[0] == pytest.approx(expected[0], rel=1e-12), (lo, hi)
+
+
+class _Detached(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(4, 3), nn.Linear(4, 3)
+
+    def forward(self, x):
+        a = self.l1(x)
+        return self.l2(x) + a.detach()
+
+
+def test_a_received_value_the_stage_does_not_differentiate_sends_zeros_back():
+    """l1's output needs a gradient when it leaves stage 0, but stage 1 detaches it: the
+    gradient message the plan counts still goes back, as zeros."""
+    torch.manual_seed(0)
+    model, x = _Detached(), torch.randn(5, 4)
+    graph = trace_model(model, x)
+    plan = plan_partitions(graph, 2, "manual", split_points=("l2",))
+    assert [(t.producer, t.grad) for t in plan.transfers] == [("x", False), ("l1", True)]
+    traffic: dict = {}
+    stages = build_stages(graph, plan)
+    forward_backward(stages, {"x": x}, lambda o: o.square().sum(), traffic)
+    assert traffic == plan.traffic() == {(0, 1): (2, 5 * 4 * 4 + 5 * 3 * 4), (1, 0): (1, 5 * 3 * 4)}
+    grads = _stage_params(stages)
+    assert torch.count_nonzero(grads["l1.weight"].grad) == 0 and torch.count_nonzero(grads["l2.weight"].grad) > 0
+    whole = copy.deepcopy(model)
+    whole(x).square().sum().backward()
+    assert whole.l1.weight.grad is None
+    torch.testing.assert_close(grads["l2.weight"].grad, whole.l2.weight.grad, rtol=1e-5, atol=0)
+
+
+class _Chunks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 6)
+
+    def forward(self, x):
+        a, b = torch.chunk(self.lin(x), 2, dim=1)
+        return a * b
+
+
+def test_a_value_that_is_not_one_tensor_cannot_cross_a_cut():
+    graph = trace_model(_Chunks(), torch.randn(3, 4))
+    names = [n.name for n in graph.compute]
+    assert names == ["lin", "chunk", "getitem", "getitem_1", "mul"]
+    with pytest.raises(ConfigError, match="value chunk .* would cross from stage 0 to stage 1, but it is not one tensor"):
+        plan_partitions(graph, 2, "manual", split_points=("getitem",))
+    plan = plan_partitions(graph, 2, "manual", split_points=("chunk",))
+    assert [(t.producer, t.shape, t.dtype) for t in plan.transfers] == [("lin", (3, 6), "float32")]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from plexus.parallel.partition import (METHODS, GraphNode, ModelGraph, Partition, PartitionPlan, Transfer,
                                        format_bytes, format_plan, plan_partitions, trace_model)
-from plexus.parallel.stages import StageProgram, build_stages, forward_backward, merge_state_dicts
+from plexus.parallel.stages import StageProgram, StageStep, build_stages, forward_backward, merge_state_dicts
 
 __all__ = ["METHODS", "GraphNode", "ModelGraph", "Partition", "PartitionPlan", "Transfer", "format_bytes",
-           "format_plan", "plan_partitions", "trace_model", "StageProgram", "build_stages", "forward_backward",
-           "merge_state_dicts"]
+           "format_plan", "plan_partitions", "trace_model", "StageProgram", "StageStep", "build_stages",
+           "forward_backward", "merge_state_dicts"]

@@ -80,6 +80,10 @@ class GraphNode:
     out_bytes: int = 0
     # Whether a gradient flows back into its output (float and depending on parameters).
     out_grad: bool = False
+    # Shape and dtype of its output for the sample batch, when the output is one tensor
+    # (None otherwise: such a value cannot cross a cut).
+    out_shape: tuple[int, ...] | None = None
+    out_dtype: str | None = None
     # Profiled seconds of forward and of backward for the sample batch (0 unprofiled).
     forward_s: float = 0.0
     backward_s: float = 0.0
@@ -114,13 +118,17 @@ class ModelGraph:
 @dataclass(frozen=True)
 class Transfer:
     """Value ``producer`` of stage ``src`` sent to stage ``dst``: one message of
-    ``nbytes`` forward per step, and its gradient (same bytes) back when ``grad``."""
+    ``nbytes`` forward per step, and its gradient (same bytes) back when ``grad``.
+    ``shape`` and ``dtype`` (torch's name, "float32") are the value's for the plan's
+    batch, for the receiver's buffer."""
 
     producer: str
     src: int
     dst: int
     nbytes: int
     grad: bool
+    shape: tuple[int, ...] = ()
+    dtype: str = "float32"
 
 
 @dataclass(frozen=True)
@@ -235,12 +243,15 @@ class _Recorder(fx.Interpreter):
         self.repeats = repeats
         self.out_bytes: dict[str, int] = {}
         self.out_grad: dict[str, bool] = {}
+        self.out_meta: dict[str, tuple[tuple[int, ...], str]] = {}
         self.times: dict[str, tuple[float, float]] = {}
 
     def run_node(self, n: fx.Node) -> Any:
         result = super().run_node(n)
         self.out_bytes[n.name] = _nbytes(result)
         self.out_grad[n.name] = any(t.requires_grad for t in _tensors(result))
+        if isinstance(result, torch.Tensor):
+            self.out_meta[n.name] = (tuple(result.shape), str(result.dtype).removeprefix("torch."))
         if self.repeats and n.op in COMPUTE_OPS:
             self.times[n.name] = self._time(n)
         return result
@@ -302,12 +313,14 @@ def trace_model(model: nn.Module, sample: torch.Tensor, *, profile: bool = False
         mine = [(q, p) for q, p in named if id(p) not in owned]
         owned.update(id(p) for _, p in mine)
         fwd, bwd = recorder.times.get(n.name, (0.0, 0.0))
+        shape, dtype = recorder.out_meta.get(n.name, (None, None))
         target = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
         nodes.append(GraphNode(
             name=n.name, op=n.op, target=target, inputs=tuple(i.name for i in n.all_input_nodes),
             params=tuple(q for q, _ in mine), param_bytes=sum(p.numel() * p.element_size() for _, p in mine),
             param_count=sum(p.numel() for _, p in mine), out_bytes=recorder.out_bytes.get(n.name, 0),
-            out_grad=recorder.out_grad.get(n.name, False), forward_s=fwd, backward_s=bwd))
+            out_grad=recorder.out_grad.get(n.name, False), out_shape=shape, out_dtype=dtype, forward_s=fwd,
+            backward_s=bwd))
     return ModelGraph(module=gm, nodes=tuple(nodes), output=output, batch=int(sample.shape[0]), profiled=profile)
 
 
@@ -523,7 +536,12 @@ def _make_plan(graph: ModelGraph, costs: _Costs, method: str, cuts: list[int], c
     for n in graph.nodes:
         src = assignment[n.name]
         for dst in sorted({assignment[u] for u in costs.users[n.name]} - {src}):
-            transfers.append(Transfer(producer=n.name, src=src, dst=dst, nbytes=n.out_bytes, grad=n.out_grad))
+            if n.out_shape is None or n.out_dtype is None:
+                raise ConfigError(f"value {n.name} ({n.target}) would cross from stage {src} to stage {dst}, but it "
+                                  f"is not one tensor: move the split points so that it and its readers share a "
+                                  f"stage")
+            transfers.append(Transfer(producer=n.name, src=src, dst=dst, nbytes=n.out_bytes, grad=n.out_grad,
+                                      shape=n.out_shape, dtype=n.out_dtype))
     partitions = []
     for s in range(len(cuts) - 1):
         seconds, memory, _, _, _ = costs.measure(cuts[s], cuts[s + 1])

@@ -2,12 +2,14 @@
 
 A stage's module takes the values it receives across cuts (and the model inputs that
 belong to it) and returns the values it sends, each once however many stages or nodes
-read it, then the model's output if it holds it. ``forward_backward`` runs the stages
-in dataflow order in one process, as the partitioned executor will run them in several:
-forward, the loss at the output's stage, then backward in reverse order, each stage's
-received values being leaf tensors whose ``.grad`` is what it sends back. Its gradients
-and loss equal the whole model's (tests/test_partition.py), which makes it the oracle
-for the multi-process executor.
+read it, then the model's output if it holds it. ``StageStep`` is one stage's half of a
+training step without any transport: the executor receives a stage's values, calls
+``forward``, sends what it returns (one message per transfer of the plan), and later
+receives the gradients of what it sent, calls ``backward`` and sends back the gradients
+of what it received. ``forward_backward`` drives every stage's StageStep in one process
+in dataflow order, counting the messages it passes; its loss and gradients equal the
+whole model's and its counts equal ``PartitionPlan.traffic()`` (tests/test_partition.py),
+which makes it the oracle for the multi-process executor.
 
 A stage program returns everything it sends at the end of its forward. So two branches
 placed on stages 0 and 1 overlap in time only across micro-batches (a pipeline), not
@@ -25,9 +27,9 @@ import torch
 from torch import fx
 
 from plexus.errors import ConfigError
-from plexus.parallel.partition import ModelGraph, PartitionPlan
+from plexus.parallel.partition import ModelGraph, PartitionPlan, Transfer
 
-__all__ = ["StageProgram", "build_stages", "forward_backward", "merge_state_dicts"]
+__all__ = ["StageProgram", "StageStep", "build_stages", "forward_backward", "merge_state_dicts"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -43,6 +45,13 @@ class StageProgram:
     outputs: tuple[str, ...]
     # Which of the inputs are model inputs rather than values received from a stage.
     model_inputs: frozenset[str]
+    # The plan's transfers into and out of this stage: one message each per step forward,
+    # and one back for those with ``grad``.
+    receives: tuple[Transfer, ...]
+    sends: tuple[Transfer, ...]
+    # The node whose value the model returns, when this stage holds it (the loss is
+    # computed here), else None.
+    output: str | None
 
 
 def build_stages(graph: ModelGraph, plan: PartitionPlan, *, share: bool = False) -> list[StageProgram]:
@@ -56,9 +65,12 @@ def build_stages(graph: ModelGraph, plan: PartitionPlan, *, share: bool = False)
     for part in plan.partitions:
         mine = set(part.nodes)
         placeholders = [n for n in part.nodes if graph.by_name[n].op == "placeholder"]
-        received = sorted({t.producer for t in plan.transfers if t.dst == part.index}, key=order.__getitem__)
+        receives = tuple(sorted((t for t in plan.transfers if t.dst == part.index),
+                                key=lambda t: order[t.producer]))
+        received = [t.producer for t in receives]  # one transfer per (producer, dst): no repeats
         outputs = [n for n in part.nodes if n in sent]
-        if graph.output in mine and graph.output not in outputs:
+        holds_output = graph.output in mine
+        if holds_output and graph.output not in outputs:
             outputs.append(graph.output)
         g = fx.Graph()
         env: dict[str, fx.Node] = {}
@@ -69,71 +81,115 @@ def build_stages(graph: ModelGraph, plan: PartitionPlan, *, share: bool = False)
                 env[node.name] = g.node_copy(node, lambda n: env[n.name])
         g.output(tuple(env[name] for name in outputs))
         module = fx.GraphModule(root, g, f"Stage{part.index}")
-        stages.append(StageProgram(index=part.index, module=module, inputs=(*placeholders, *received),
-                                   outputs=tuple(outputs), model_inputs=frozenset(placeholders)))
+        stages.append(StageProgram(
+            index=part.index, module=module, inputs=(*placeholders, *received), outputs=tuple(outputs),
+            model_inputs=frozenset(placeholders), receives=receives,
+            sends=tuple(t for t in plan.transfers if t.src == part.index),
+            output=graph.output if holds_output else None))
     return stages
+
+
+class StageStep:
+    """One stage's forward and backward of a step, given the values it receives; no
+    transport. Received values become leaf tensors (gradient wanted when the plan's
+    transfer carries one), so that backward can return their gradients to send back."""
+
+    def __init__(self, program: StageProgram) -> None:
+        self.program = program
+        self._leaves: list[tuple[Transfer, torch.Tensor]] = []
+        self._outputs: dict[str, torch.Tensor] = {}
+
+    def forward(self, received: Mapping[str, torch.Tensor],
+                inputs: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Run the stage on ``received`` (producer name -> value, one per transfer in)
+        and the model ``inputs`` it holds; returns every value it outputs by name: one
+        per value sent (send it to each of its transfers' stages) and the model output."""
+        p = self.program
+        self._leaves = [(t, received[t.producer].detach().requires_grad_(t.grad)) for t in p.receives]
+        leaves = {t.producer: leaf for t, leaf in self._leaves}
+        args = [(inputs or {})[name] if name in p.model_inputs else leaves[name] for name in p.inputs]
+        self._outputs = dict(zip(p.outputs, p.module(*args)))
+        return dict(self._outputs)
+
+    def backward(self, grads: Iterable[tuple[str, torch.Tensor]], loss: torch.Tensor | None = None
+                 ) -> dict[str, torch.Tensor]:
+        """Backward from ``loss`` (the output stage's) and the gradients received for the
+        values this stage sent, as (producer name, gradient) pairs, one per transfer back
+        (those of one value are summed). Parameters' ``.grad`` accumulate. Returns the
+        gradient of each received value whose transfer carries one: zeros where the stage
+        did not depend on it, so that every message the plan counts is sent."""
+        summed: dict[str, torch.Tensor] = {}
+        for name, grad in grads:
+            summed[name] = summed[name] + grad if name in summed else grad
+        tensors, seeds = ([loss], [torch.ones_like(loss)]) if loss is not None else ([], [])
+        for name, grad in summed.items():
+            value = self._outputs[name]
+            if value.requires_grad:
+                tensors.append(value)
+                seeds.append(grad)
+        if tensors:
+            torch.autograd.backward(tensors, seeds)
+        back = {t.producer: leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                for t, leaf in self._leaves if t.grad}
+        self._leaves, self._outputs = [], {}
+        return back
 
 
 def _dataflow_order(stages: Sequence[StageProgram]) -> list[StageProgram]:
     """Stages in an order where each runs after every stage it receives from."""
-    produced = {name for s in stages for name in s.outputs}
-    ready: set[str] = set()
+    done: set[int] = set()
     left, order = list(stages), []
     while left:
-        runnable = [s for s in left if all(i in s.model_inputs or i in ready for i in s.inputs)]
+        runnable = [s for s in left if all(t.src in done for t in s.receives)]
         if not runnable:
-            missing = sorted(i for s in left for i in s.inputs if i not in ready and i not in s.model_inputs)
-            raise ConfigError(f"stages wait on each other in a cycle or on values no stage sends "
-                              f"({', '.join(missing)}): the plan's stages must form a DAG")
+            raise ConfigError(f"stages {', '.join(str(s.index) for s in left)} wait on each other in a cycle or on "
+                              f"a stage that is missing: the plan's stages must form a DAG")
         for s in runnable:
             order.append(s)
-            ready.update(o for o in s.outputs if o in produced)
+            done.add(s.index)
             left.remove(s)
     return order
 
 
 def forward_backward(stages: Sequence[StageProgram], inputs: Mapping[str, torch.Tensor],
-                     loss_fn: Callable[[torch.Tensor], torch.Tensor], output: str) -> tuple[torch.Tensor, torch.Tensor]:
+                     loss_fn: Callable[[torch.Tensor], torch.Tensor],
+                     traffic: dict[tuple[int, int], tuple[int, int]] | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """One training step's forward and backward through ``stages`` in this process.
 
-    ``inputs`` maps the model's placeholder names to tensors; ``output`` names the node
-    the model returns (``ModelGraph.output``); ``loss_fn`` maps the output to a scalar.
-    Parameters' ``.grad`` accumulate as ``loss.backward()`` on the whole model would.
-    Returns (loss, output), both detached.
+    ``inputs`` maps the model's placeholder names to tensors; ``loss_fn`` maps the
+    model's output to a scalar. Parameters' ``.grad`` accumulate as ``loss.backward()``
+    on the whole model would. Every value passed between stages is a message, counted
+    into ``traffic`` ({(src, dst): (messages, bytes)}, as ``PartitionPlan.traffic``)
+    when given. Returns (loss, output), both detached.
     """
     order = _dataflow_order(stages)
-    values: dict[str, torch.Tensor] = {}
-    leaves: dict[int, list[tuple[str, torch.Tensor]]] = {}
-    outs: dict[int, tuple[torch.Tensor, ...]] = {}
+    steps = {s.index: StageStep(s) for s in order}
+    inbox: dict[int, dict[str, torch.Tensor]] = {s.index: {} for s in order}
+    grads_in: dict[int, list[tuple[str, torch.Tensor]]] = {s.index: [] for s in order}
+
+    def post(src: int, dst: int, value: torch.Tensor) -> torch.Tensor:
+        if traffic is not None:
+            messages, nbytes = traffic.get((src, dst), (0, 0))
+            traffic[(src, dst)] = (messages + 1, nbytes + value.numel() * value.element_size())
+        return value.detach()
+
+    loss = output = None
     for s in order:
-        args, leaves[s.index] = [], []
-        for name in s.inputs:
-            if name in s.model_inputs:
-                args.append(inputs[name])
-                continue
-            value = values[name]
-            leaf = value.detach().requires_grad_(value.requires_grad)  # each stage its own copy, as if sent
-            leaves[s.index].append((name, leaf))
-            args.append(leaf)
-        outs[s.index] = s.module(*args)
-        values.update(zip(s.outputs, outs[s.index]))
-    loss = loss_fn(values[output])
-    pending: dict[str, torch.Tensor] = {}  # gradient of each sent value, summed over its receivers
+        values = steps[s.index].forward(inbox[s.index], inputs)
+        for t in s.sends:
+            inbox[t.dst][t.producer] = post(t.src, t.dst, values[t.producer])
+        if s.output is not None:
+            output = values[s.output]
+            loss = loss_fn(output)
+    if loss is None or output is None:
+        raise ConfigError("no stage holds the model's output: the plan is incomplete")
     for s in reversed(order):
-        tensors, grads = [], []
-        for name, value in zip(s.outputs, outs[s.index]):
-            if name == output:
-                tensors.append(loss)
-                grads.append(torch.ones_like(loss))
-            elif name in pending and value.requires_grad:
-                tensors.append(value)
-                grads.append(pending.pop(name))
-        if tensors:
-            torch.autograd.backward(tensors, grads)
-        for name, leaf in leaves[s.index]:
-            if leaf.grad is not None:
-                pending[name] = pending[name] + leaf.grad if name in pending else leaf.grad
-    return loss.detach(), values[output].detach()
+        back = steps[s.index].backward(grads_in[s.index], loss if s.output is not None else None)
+        for t in s.receives:
+            if t.grad:
+                grads_in[t.src].append((t.producer, post(t.dst, t.src, back[t.producer])))
+    return loss.detach(), output.detach()
 
 
 def merge_state_dicts(states: Iterable[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
