@@ -471,6 +471,8 @@ def _print_partition(cfg) -> None:
     if cfg.model.dtype == "float64":
         data, model = data.to_dtype(torch.float64), model.double()
     batch = max(1, cfg.run.batch_size // cfg.cluster.workers)
+    if cfg.cluster.threads:  # profile with the threads each stage's process will have
+        torch.set_num_threads(cfg.cluster.threads)
     graph = trace_model(model, data.x_train[:batch], profile=cfg.parallel.partition == "time")
     # Optimizer state per parameter: momentum's buffer, Adam's two moments, Adagrad's sum.
     optim = cfg.optim

@@ -453,7 +453,8 @@ def test_a_value_that_is_not_one_tensor_cannot_cross_a_cut():
     graph = trace_model(_Chunks(), torch.randn(3, 4))
     names = [n.name for n in graph.compute]
     assert names == ["lin", "chunk", "getitem", "getitem_1", "mul"]
-    with pytest.raises(ConfigError, match="value chunk .* would cross from stage 0 to stage 1, but it is not one tensor"):
+    with pytest.raises(ConfigError,
+                       match="value chunk .* would cross from stage 0 to stage 1, but it is not one tensor"):
         plan_partitions(graph, 2, "manual", split_points=("getitem",))
     plan = plan_partitions(graph, 2, "manual", split_points=("chunk",))
     assert [(t.producer, t.shape, t.dtype) for t in plan.transfers] == [("lin", (3, 6), "float32")]

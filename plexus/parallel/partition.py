@@ -236,7 +236,8 @@ def _nbytes(value: Any) -> int:
 class _Recorder(fx.Interpreter):
     """Runs the graph once, recording each node's output bytes and whether a gradient
     reaches it; with ``repeats`` > 0 it also times each computing node's forward and
-    backward alone, on detached copies of its inputs (the fastest of ``repeats``)."""
+    backward alone, on detached copies of its inputs (the fastest of ``repeats``, after
+    one untimed run)."""
 
     def __init__(self, gm: fx.GraphModule, repeats: int) -> None:
         super().__init__(gm)
@@ -259,7 +260,7 @@ class _Recorder(fx.Interpreter):
     def _time(self, n: fx.Node) -> tuple[float, float]:
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         fwd = bwd = math.inf
-        for _ in range(self.repeats):
+        for attempt in range(self.repeats + 1):  # the first warms up (backward's first call allocates)
             a, k = fx.node.map_aggregate((args, kwargs), _fresh_leaf)
             start = time.perf_counter()
             out = getattr(self, n.op)(n.target, a, k)
@@ -268,7 +269,8 @@ class _Recorder(fx.Interpreter):
             if outs:
                 torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
             end = time.perf_counter()
-            fwd, bwd = min(fwd, middle - start), min(bwd, end - middle)
+            if attempt:
+                fwd, bwd = min(fwd, middle - start), min(bwd, end - middle)
         self.module.zero_grad(set_to_none=True)
         return fwd, (bwd if bwd < math.inf else 0.0)
 
