@@ -197,18 +197,19 @@ def test_time_method_profiles_and_respects_the_memory_cap(digits):
     assert all(n.forward_s > 0 for n in graph.compute)
     free = plan_partitions(graph, 3, "time")
     assert all(p.time_s > 0 for p in free.partitions)
-    # A cap a little above the largest single layer's need forces a spread: no stage over it.
-    single = max(plan_partitions(graph, len(graph.compute), "uniform").partitions, key=lambda p: p.memory_bytes)
-    cap = int(single.memory_bytes * 2.5)
-    stages = max(3, -(-sum(p.memory_bytes for p in free.partitions) // cap) + 1)
-    capped = plan_partitions(graph, stages, "time", memory_cap=cap)
-    assert all(p.memory_bytes <= cap for p in capped.partitions)
-    # Too few stages for that cap: the fewest that fit are named.
-    with pytest.raises(ConfigError, match=r"cannot hold the model under --stage-memory .* it needs at least \d+"):
-        plan_partitions(graph, 2, "time", memory_cap=cap)
+    # The tightest cap any 3-stage cut meets forces the time plan onto a cut that meets it...
+    tightest = int(_brute_force(graph, 3, lambda p: p.memory_bytes))
+    assert tightest < max(p.memory_bytes for p in plan_partitions(graph, 3, "uniform").partitions)
+    capped = plan_partitions(graph, 3, "time", memory_cap=tightest)
+    assert max(p.memory_bytes for p in capped.partitions) == tightest
+    assert max(p.time_s for p in capped.partitions) >= max(p.time_s for p in free.partitions)
+    # ... and one byte less leaves no legal 3-stage cut: the fewest stages that fit are named.
+    with pytest.raises(ConfigError, match=r"3 stages cannot hold the model under --stage-memory .* it needs at "
+                                          r"least [4-9]; pass --stages [4-9]"):
+        plan_partitions(graph, 3, "time", memory_cap=tightest - 1)
     # uniform is refused when a stage exceeds the cap (it does not search).
-    with pytest.raises(ConfigError, match="more than --stage-memory"):
-        plan_partitions(graph, 2, "uniform", memory_cap=cap)
+    with pytest.raises(ConfigError, match="stage [0-2] of the uniform plan needs .* more than --stage-memory"):
+        plan_partitions(graph, 3, "uniform", memory_cap=tightest)
 
 
 def test_a_layer_larger_than_the_cap_has_no_legal_cut(digits):
@@ -320,6 +321,18 @@ def test_cli_print_partition(capsys):
     assert sum(int(r[3].replace(",", "")) for r in rows) == sum(
         p.numel() for p in _model("towers", load_dataset(DataConfig(dataset="digits")), hidden=16).parameters())
     assert out[5].startswith("transfers (each value once per receiving stage, per step of batch 32): flatten 0->1")
+
+
+def test_cli_deep_mlp_needs_several_stages_under_a_small_stage_memory(capsys):
+    flags = ["--model", "deep-mlp", "--hidden", "256", "--stage-memory", "1MB", "--print-partition"]
+    assert main(["train", *flags, "--stages", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "1 stage cannot hold the model under --stage-memory 1.0 MB: it needs at least 8" in err
+    assert main(["train", *flags, "--stages", "8", "--partition", "time"]) == 0
+    rows = capsys.readouterr().out.splitlines()[2:10]
+    units = {"B": 1, "kB": 1e3, "MB": 1e6, "GB": 1e9}
+    memory = [float(r.split()[-6]) * units[r.split()[-5]] for r in rows]  # memory, in/step, out/step: 2 words each
+    assert [r.split()[0] for r in rows] == [str(i) for i in range(8)] and all(0 < m <= 1e6 for m in memory)
 
 
 def test_cli_print_partition_time_and_manual(capsys):

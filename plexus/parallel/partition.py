@@ -526,7 +526,7 @@ def _no_legal_cut(costs: _Costs, graph: ModelGraph, stages: int, cap: float) -> 
                 break
             hi = end
         needed, lo = needed + 1, hi
-    return ConfigError(f"{stages} stages cannot hold the model under --stage-memory {format_bytes(cap)}: it needs "
+    return ConfigError(f"{stages} stage{'s' if stages > 1 else ''} cannot hold the model under --stage-memory {format_bytes(cap)}: it needs "
                        f"at least {needed}; pass --stages {needed} or a larger --stage-memory")
 
 
