@@ -327,7 +327,8 @@ def test_cli_deep_mlp_needs_several_stages_under_a_small_stage_memory(capsys):
     flags = ["--model", "deep-mlp", "--hidden", "256", "--stage-memory", "1MB", "--print-partition"]
     assert main(["train", *flags, "--stages", "1"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "1 stage cannot hold the model under --stage-memory 1.0 MB: it needs at least 8" in err
+    assert err.count("\n") == 1
+    assert "1 stage cannot hold the model under --stage-memory 1.0 MB: it needs at least 8" in err
     assert main(["train", *flags, "--stages", "8", "--partition", "time"]) == 0
     rows = capsys.readouterr().out.splitlines()[2:10]
     units = {"B": 1, "kB": 1e3, "MB": 1e6, "GB": 1e9}

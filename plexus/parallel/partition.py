@@ -526,8 +526,9 @@ def _no_legal_cut(costs: _Costs, graph: ModelGraph, stages: int, cap: float) -> 
                 break
             hi = end
         needed, lo = needed + 1, hi
-    return ConfigError(f"{stages} stage{'s' if stages > 1 else ''} cannot hold the model under --stage-memory {format_bytes(cap)}: it needs "
-                       f"at least {needed}; pass --stages {needed} or a larger --stage-memory")
+    return ConfigError(f"{stages} stage{'s' if stages > 1 else ''} cannot hold the model under --stage-memory "
+                       f"{format_bytes(cap)}: it needs at least {needed}; pass --stages {needed} or a larger "
+                       f"--stage-memory")
 
 
 def _make_plan(graph: ModelGraph, costs: _Costs, method: str, cuts: list[int], cap: float) -> PartitionPlan:
