@@ -472,3 +472,42 @@ def test_a_value_that_is_not_one_tensor_cannot_cross_a_cut():
         plan_partitions(graph, 2, "manual", split_points=("getitem",))
     plan = plan_partitions(graph, 2, "manual", split_points=("chunk",))
     assert [(t.producer, t.shape, t.dtype) for t in plan.transfers] == [("lin", (3, 6), "float32")]
+
+
+def test_transfers_know_which_dimension_is_the_batch(digits):
+    model = _model("cnn", digits)
+    x, _ = _batch(digits)
+    graph = trace_model(model, x)
+    plan = plan_partitions(graph, 2, "manual", split_points=("net.4",))
+    (t,) = plan.transfers
+    assert t.producer == "net_3" and t.batch_dim == 0 and t.shape[0] == BATCH
+    assert t.shape_for(3) == (3, *t.shape[1:])
+    assert t.nbytes == BATCH * t.shape[1] * t.shape[2] * t.shape[3] * 4
+
+    class Scale(nn.Module):  # a value with no batch dimension crosses the cut
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            s = self.lin(x).mean(0)
+            return x * s
+
+    graph = trace_model(Scale(), torch.randn(5, 4))
+    plan = plan_partitions(graph, 2, "manual", split_points=("mul",))
+    sent = {t.producer: t for t in plan.transfers}
+    assert sent["mean"].batch_dim is None and sent["mean"].shape_for(7) == (4,)
+    assert sent["x"].batch_dim == 0 and sent["x"].shape_for(7) == (7, 4)
+
+
+def test_tracing_leaves_batch_norm_statistics_and_the_generator_alone():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Dropout(0.5), nn.Linear(6, 2))
+    before, x = copy.deepcopy(model.state_dict()), torch.randn(8, 4)
+    state = torch.get_rng_state()
+    graph = trace_model(model, x, profile=True, repeats=1)
+    assert torch.equal(torch.get_rng_state(), state)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    assert "1.running_mean" in merge_state_dicts(
+        s.module.state_dict() for s in build_stages(graph, plan_partitions(graph, 2, "uniform")))

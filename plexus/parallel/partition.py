@@ -84,6 +84,8 @@ class GraphNode:
     # (None otherwise: such a value cannot cross a cut).
     out_shape: tuple[int, ...] | None = None
     out_dtype: str | None = None
+    # The dimension of that output that follows the batch size (None: none does).
+    batch_dim: int | None = None
     # Profiled seconds of forward and of backward for the sample batch (0 unprofiled).
     forward_s: float = 0.0
     backward_s: float = 0.0
@@ -129,6 +131,14 @@ class Transfer:
     grad: bool
     shape: tuple[int, ...] = ()
     dtype: str = "float32"
+    # The dimension of ``shape`` that follows the batch size (None: none does).
+    batch_dim: int | None = 0
+
+    def shape_for(self, batch: int) -> tuple[int, ...]:
+        """The value's shape for a batch (or micro-batch) of ``batch`` samples."""
+        if self.batch_dim is None:
+            return self.shape
+        return (*self.shape[:self.batch_dim], batch, *self.shape[self.batch_dim + 1:])
 
 
 @dataclass(frozen=True)
@@ -291,8 +301,17 @@ def trace_model(model: nn.Module, sample: torch.Tensor, *, profile: bool = False
     """
     gm = _symbolic(model)
     recorder = _Recorder(gm, repeats if profile else 0)
-    with torch.enable_grad():
+    # A second run on one more sample shows which dimension of each output follows the batch.
+    bigger = _Recorder(gm, 0)
+    # Measuring must leave no trace: buffers (batch-norm statistics) and the random
+    # generator (dropout) are as they were, so a traced model trains as an untraced one.
+    buffers = {name: b.clone() for name, b in gm.named_buffers()}
+    with torch.random.fork_rng(devices=[]), torch.enable_grad():
         recorder.run(sample)
+        bigger.run(torch.cat([sample, sample[:1]]))
+    with torch.no_grad():
+        for name, b in gm.named_buffers():
+            b.copy_(buffers[name])
     gm.zero_grad(set_to_none=True)
     modules = dict(gm.named_modules())
     owned: set[int] = set()
@@ -316,14 +335,24 @@ def trace_model(model: nn.Module, sample: torch.Tensor, *, profile: bool = False
         owned.update(id(p) for _, p in mine)
         fwd, bwd = recorder.times.get(n.name, (0.0, 0.0))
         shape, dtype = recorder.out_meta.get(n.name, (None, None))
+        batch_dim = _batch_dim(shape, bigger.out_meta.get(n.name, (None, None))[0])
         target = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
         nodes.append(GraphNode(
             name=n.name, op=n.op, target=target, inputs=tuple(i.name for i in n.all_input_nodes),
             params=tuple(q for q, _ in mine), param_bytes=sum(p.numel() * p.element_size() for _, p in mine),
             param_count=sum(p.numel() for _, p in mine), out_bytes=recorder.out_bytes.get(n.name, 0),
-            out_grad=recorder.out_grad.get(n.name, False), out_shape=shape, out_dtype=dtype, forward_s=fwd,
-            backward_s=bwd))
+            out_grad=recorder.out_grad.get(n.name, False), out_shape=shape, out_dtype=dtype, batch_dim=batch_dim,
+            forward_s=fwd, backward_s=bwd))
     return ModelGraph(module=gm, nodes=tuple(nodes), output=output, batch=int(sample.shape[0]), profiled=profile)
+
+
+def _batch_dim(shape: tuple[int, ...] | None, bigger: tuple[int, ...] | None) -> int | None:
+    """The one dimension that grew by one sample between the two runs; None when none did
+    (a parameter, a batch-wide reduction) or the shapes are not comparable."""
+    if shape is None or bigger is None or len(shape) != len(bigger):
+        return None
+    grew = [d for d, (a, b) in enumerate(zip(shape, bigger)) if a != b]
+    return grew[0] if len(grew) == 1 and bigger[grew[0]] == shape[grew[0]] + 1 else None
 
 
 def _is_param(gm: fx.GraphModule, target: str) -> bool:
@@ -544,7 +573,7 @@ def _make_plan(graph: ModelGraph, costs: _Costs, method: str, cuts: list[int], c
                                   f"is not one tensor: move the split points so that it and its readers share a "
                                   f"stage")
             transfers.append(Transfer(producer=n.name, src=src, dst=dst, nbytes=n.out_bytes, grad=n.out_grad,
-                                      shape=n.out_shape, dtype=n.out_dtype))
+                                      shape=n.out_shape, dtype=n.out_dtype, batch_dim=n.batch_dim))
     partitions = []
     for s in range(len(cuts) - 1):
         seconds, memory, _, _, _ = costs.measure(cuts[s], cuts[s + 1])
