@@ -295,8 +295,7 @@ def job_config(args: argparse.Namespace, extra: dict[str, Any] | None = None):
     from plexus.config import JobConfig
     flat = vars(args).copy()
     for key in ("command", "specs", "seeds", "simulate", "config", "print_config", "print_plan", "print_partition",
-                *LAUNCHER_KEYS,
-                *SIMULATE_KEYS):
+                *LAUNCHER_KEYS, *SIMULATE_KEYS):
         flat.pop(key, None)
     merged = _load_toml(args.config) if getattr(args, "config", None) else {}
     merged = {k.replace("-", "_"): v for k, v in merged.items()}
@@ -480,8 +479,8 @@ def _print_partition(cfg) -> None:
     plan = plan_partitions(graph, cfg.parallel.stages, cfg.parallel.partition,
                            split_points=cfg.parallel.split_point_names, memory_cap=cfg.parallel.stage_memory_bytes,
                            optimizer_slots=slots, bandwidth=cfg.cluster.net.bandwidth, latency=cfg.cluster.net.latency)
-    print(f"{cfg.model.model} on {cfg.data.dataset}: {plan.stages} stages by --partition {plan.method}, "
-          f"{len(graph.compute)} computing nodes, batch {batch} per replica")
+    print(f"{cfg.model.model} on {cfg.data.dataset}: {plan.stages} stage{'s' * (plan.stages > 1)} by --partition "
+          f"{plan.method}, {len(graph.compute)} computing nodes, batch {batch} per replica")
     print(format_plan(plan, graph))
 
 

@@ -110,7 +110,8 @@ class ParallelConfig:
     # How the cut is chosen: uniform (equal numbers of computing nodes), params (balanced
     # parameter bytes), time (profiled forward + backward + transfer seconds, the slowest
     # stage minimised), manual (--split-points). params is the default: deterministic,
-    # cheap, and what bounds each stage's memory; time profiles the model first.
+    # needs no profiling, and balances what dominates a stage's memory (parameters, their
+    # gradients and optimizer state); time profiles the model first.
     partition: Literal["uniform", "params", "time", "manual"] = "params"
     # manual: comma-separated fx node names or module qualified names; each starts a stage.
     split_points: str | None = None
