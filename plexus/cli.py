@@ -470,9 +470,13 @@ def _print_partition(cfg) -> None:
     if cfg.model.dtype == "float64":
         data, model = data.to_dtype(torch.float64), model.double()
     batch = max(1, cfg.run.batch_size // cfg.cluster.workers)
+    threads = torch.get_num_threads()
     if cfg.cluster.threads:  # profile with the threads each stage's process will have
         torch.set_num_threads(cfg.cluster.threads)
-    graph = trace_model(model, data.x_train[:batch], profile=cfg.parallel.partition == "time")
+    try:
+        graph = trace_model(model, data.x_train[:batch], profile=cfg.parallel.partition == "time")
+    finally:
+        torch.set_num_threads(threads)
     # Optimizer state per parameter: momentum's buffer, Adam's two moments, Adagrad's sum.
     optim = cfg.optim
     slots = {"adam": 2, "adagrad": 1}.get(optim.optimizer, 1 if optim.momentum > 0 else 0)
