@@ -108,9 +108,17 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(g, "dataset", help="digits, mnist1d, teacher, text, sparse, mnist, cifar10 or pkg.module:factory")
     _flag(g, "data-dir", help="folder with local dataset files (mnist, cifar10, text)")
     _flag(g, "num-samples", type=int, help="samples to generate for generated datasets")
-    _flag(g, "model", help="mlp, cnn, lm, logreg or pkg.module:factory")
+    _flag(g, "model", help="mlp, cnn, lm, logreg, towers, deep-mlp or pkg.module:factory")
     _flag(g, "hidden", type=int, help="hidden width (default 128)")
     _flag(g, "dtype", choices=["float32", "float64"], help="parameter and input type (default float32)")
+    g = parser.add_argument_group("model parallelism")
+    _flag(g, "stages", type=int, help="cut each replica's model into K stages, one process each (default 1)")
+    _flag(g, "partition", choices=["uniform", "params", "time", "manual"],
+          help="how the cut is chosen: equal node counts, balanced parameters (default), profiled time, or "
+               "--split-points")
+    _flag(g, "split-points", metavar="NAME[,NAME...]",
+          help="--partition manual: fx node or module names, each starting a stage")
+    _flag(g, "stage-memory", metavar="SIZE", help="bytes each stage's process may hold, e.g. 2GB or 512MB")
     g = parser.add_argument_group("optimisation")
     _flag(g, "optimizer", choices=["sgd", "adam", "adagrad"], help="optimizer (default sgd)")
     _flag(g, "lr", type=float, help="learning rate (default 0.1)")
@@ -144,6 +152,9 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
                         "WORLD_SIZE, or --workers plus the strategy's roles) and exit")
     _flag(g, "print-config", action="store_const", const=True,
           help="print every effective value and its source (flag, file, default, default for ps/asp) and exit")
+    _flag(g, "print-partition", action="store_const", const=True,
+          help="print how --stages cuts the model (nodes, parameters, predicted time and memory, bytes "
+               "crossing each cut) and exit")
 
 
 # Flags of `plexus train` that say how its processes start, not what the job is.
@@ -283,8 +294,8 @@ def job_config(args: argparse.Namespace, extra: dict[str, Any] | None = None):
     source (file, flag, spec) and the keys left unset take their strategy's defaults."""
     from plexus.config import JobConfig
     flat = vars(args).copy()
-    for key in ("command", "specs", "seeds", "simulate", "config", "print_config", "print_plan", *LAUNCHER_KEYS,
-                *SIMULATE_KEYS):
+    for key in ("command", "specs", "seeds", "simulate", "config", "print_config", "print_plan", "print_partition",
+                *LAUNCHER_KEYS, *SIMULATE_KEYS):
         flat.pop(key, None)
     merged = _load_toml(args.config) if getattr(args, "config", None) else {}
     merged = {k.replace("-", "_"): v for k, v in merged.items()}
@@ -313,7 +324,7 @@ def _print_config(cfg) -> None:
     settings = cfg.settings()
     width = max(map(len, settings))
     strategy = cfg.strategy.strategy
-    for comp in ("strategy", "optim", "cluster", "data", "model", "run"):
+    for comp in ("strategy", "optim", "cluster", "data", "model", "parallel", "run"):
         print(f"[{comp}]")
         for f in dataclasses.fields(getattr(cfg, comp)):
             item = settings[f.name]
@@ -398,6 +409,10 @@ def _train(args: argparse.Namespace) -> int:
     if getattr(args, "print_plan", None) is not None:
         _print_plan(cfg, args.print_plan or int(os.environ.get("WORLD_SIZE", "0")))
         return 0
+    if getattr(args, "print_partition", False):
+        _print_partition(cfg)
+        return 0
+    _refuse_stages(cfg)
     launcher = getattr(args, "launcher", "local")
     if launcher != "ray":
         for key in LAUNCHER_KEYS[1:]:
@@ -432,6 +447,45 @@ def _train(args: argparse.Namespace) -> int:
             run_dir, summary = run_local(cfg, poll=progress.poll)
     _print_summary(summary, str(run_dir), cfg.run.json)
     return 0
+
+
+def _refuse_stages(cfg) -> None:
+    """--stages K > 1 plans a cut (--print-partition) but nothing runs a cut model yet."""
+    from plexus.errors import ConfigError
+    if cfg.parallel.stages > 1:
+        raise ConfigError(f"--stages {cfg.parallel.stages}: the partitioned executor does not run yet; pass "
+                          f"--print-partition to see the plan, or --stages 1 to train the whole model per worker")
+
+
+def _print_partition(cfg) -> None:
+    """``plexus train --stages K --print-partition``: the plan of plexus.parallel.partition
+    for the configured model and dataset, at each replica's slice of the batch."""
+    import torch
+    from plexus.parallel.partition import format_plan, plan_partitions, trace_model
+    from plexus.train.data import load_dataset
+    from plexus.train.models import build_model
+    data = load_dataset(cfg.data, cfg.run.seed)
+    torch.manual_seed(cfg.run.seed)
+    model = build_model(cfg.model, data)
+    if cfg.model.dtype == "float64":
+        data, model = data.to_dtype(torch.float64), model.double()
+    batch = max(1, cfg.run.batch_size // cfg.cluster.workers)
+    threads = torch.get_num_threads()
+    if cfg.cluster.threads:  # profile with the threads each stage's process will have
+        torch.set_num_threads(cfg.cluster.threads)
+    try:
+        graph = trace_model(model, data.x_train[:batch], profile=cfg.parallel.partition == "time")
+    finally:
+        torch.set_num_threads(threads)
+    # Optimizer state per parameter: momentum's buffer, Adam's two moments, Adagrad's sum.
+    optim = cfg.optim
+    slots = {"adam": 2, "adagrad": 1}.get(optim.optimizer, 1 if optim.momentum > 0 else 0)
+    plan = plan_partitions(graph, cfg.parallel.stages, cfg.parallel.partition,
+                           split_points=cfg.parallel.split_point_names, memory_cap=cfg.parallel.stage_memory_bytes,
+                           optimizer_slots=slots, bandwidth=cfg.cluster.net.bandwidth, latency=cfg.cluster.net.latency)
+    print(f"{cfg.model.model} on {cfg.data.dataset}: {plan.stages} stage{'s' * (plan.stages > 1)} by --partition "
+          f"{plan.method}, {len(graph.compute)} computing nodes, batch {batch} per replica")
+    print(format_plan(plan, graph))
 
 
 def _print_plan(cfg, world_size: int) -> None:
@@ -559,6 +613,7 @@ def _compare(args: argparse.Namespace) -> int:
                 first = cfgs[0].run.seed  # --seed, or the spec's own
                 cfgs = [job_config(args, {**spec, "seed": seed, "out": str(folder / f"seed-{seed}")})
                         for seed in range(first, first + seeds)]
+            _refuse_stages(cfgs[0])
             if simulated:
                 from plexus.sim.run import check
                 check(cfgs[0], _sim_spec(cfgs[0], vars(args)))
@@ -902,6 +957,7 @@ def _simulate(args: argparse.Namespace) -> int:
         return 0
     _sim_workers(given)
     cfg = job_config(args)
+    _refuse_stages(cfg)
     check(cfg, _sim_spec(cfg, given))  # before the run directory is made
     run_dir, summary = _run_simulation(cfg, given)
     acc = summary["final_test_accuracy"]

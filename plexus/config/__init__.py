@@ -18,6 +18,7 @@ from plexus.errors import ConfigError
 __all__ = [
     "DataConfig",
     "ModelConfig",
+    "ParallelConfig",
     "OptimConfig",
     "SlowSpec",
     "KillSpec",
@@ -30,6 +31,7 @@ __all__ = [
     "parse_slow",
     "parse_kill",
     "parse_net",
+    "parse_size",
     "field_default",
 ]
 
@@ -64,7 +66,7 @@ class DataConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class ModelConfig:
-    # A built-in model (mlp, cnn, lm, logreg) or a user factory "pkg.module:function"
+    # A built-in model (mlp, cnn, lm, logreg, towers, deep-mlp) or a user factory "pkg.module:function"
     # called with the Dataset and returning an nn.Module.
     model: str = "mlp"
     # Width of hidden layers (units for mlp, channels for cnn, embedding size for lm).
@@ -77,6 +79,70 @@ class ModelConfig:
         _require(self.hidden >= 1, "hidden", "must be at least 1", self.hidden, "pass --hidden 1 or more")
         _require(self.dtype in ("float32", "float64"), "dtype", "must be float32 or float64", self.dtype,
                  "pass --dtype float32")
+
+
+_SIZE = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """Parse ``2GB``, ``512MB``, ``1.5GiB`` or a plain byte count into bytes (kB, MB, GB
+    are powers of 1000; KiB, MiB, GiB powers of 1024)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else ""
+    if not m or (unit and unit not in _SIZE) or float(m.group(1)) <= 0:
+        raise ConfigError(f"stage_memory must be a positive size such as 2GB, 512MB or 1.5GiB, got {text!r}: "
+                          f"units are B, kB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB")
+    return int(float(m.group(1)) * _SIZE[unit or "b"])
+
+
+# How plexus.parallel.partition chooses a cut (its METHODS; tested equal).
+PARTITION_METHODS = ("uniform", "params", "time", "manual")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ParallelConfig:
+    """Model parallelism: how ONE replica's model is cut into stages (plexus/parallel/)."""
+
+    # Stages per replica: the model's torch.fx graph cut into this many partitions, each
+    # run by its own process (1: the whole model in every worker).
+    stages: int = 1
+    # How the cut is chosen: uniform (equal numbers of computing nodes), params (balanced
+    # parameter bytes), time (profiled forward + backward + transfer seconds, the slowest
+    # stage minimised), manual (--split-points). params is the default: deterministic,
+    # needs no profiling, and balances what dominates a stage's memory (parameters, their
+    # gradients and optimizer state); time profiles the model first.
+    partition: Literal["uniform", "params", "time", "manual"] = "params"
+    # manual: comma-separated fx node names or module qualified names; each starts a stage.
+    split_points: str | None = None
+    # Bytes each stage's process may hold (parameters, gradients, optimizer state,
+    # activations), as "2GB" or "512MB"; None: no cap.
+    stage_memory: str | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.stages >= 1, "stages", "must be at least 1", self.stages, "pass --stages 2")
+        _require(self.partition in PARTITION_METHODS, "partition", "must be uniform, params, time or manual",
+                 self.partition, "pass --partition params")
+        points = self.split_point_names
+        if self.partition == "manual":
+            _require(bool(points), "split_points", "must name at least one node under --partition manual",
+                     self.split_points, "pass --split-points NAME[,NAME...] (--print-partition lists the nodes)")
+            _require(self.stages == len(points) + 1, "stages",
+                     f"must be one more than the {len(points)} split points under --partition manual",
+                     self.stages, f"pass --stages {len(points) + 1}")
+        else:
+            _require(not points, "split_points", "apply to --partition manual only", self.split_points,
+                     "pass --partition manual, or drop --split-points")
+        if self.stage_memory is not None:
+            parse_size(self.stage_memory)
+
+    @property
+    def split_point_names(self) -> tuple[str, ...]:
+        return tuple(p.strip() for p in (self.split_points or "").split(",") if p.strip())
+
+    @property
+    def stage_memory_bytes(self) -> int | None:
+        return None if self.stage_memory is None else parse_size(self.stage_memory)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -448,8 +514,8 @@ class RunConfig:
 # ``--async`` (the field is async_gossip, since ``async`` is a Python keyword).
 _ALIASES = {"async": "async_gossip"}
 
-_COMPONENTS = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig, "cluster": ClusterConfig,
-               "strategy": StrategyConfig, "run": RunConfig}
+_COMPONENTS = {"data": DataConfig, "model": ModelConfig, "parallel": ParallelConfig, "optim": OptimConfig,
+               "cluster": ClusterConfig, "strategy": StrategyConfig, "run": RunConfig}
 _OWNER = {f.name: comp for comp, klass in _COMPONENTS.items() for f in dataclasses.fields(klass)}
 _FIELDS = {f.name: f for klass in _COMPONENTS.values() for f in dataclasses.fields(klass)}
 
@@ -466,6 +532,7 @@ class JobConfig:
 
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
@@ -557,6 +624,7 @@ class JobConfig:
         cluster["kill"] = tuple(KillSpec(**k) for k in cluster.get("kill", ()))
         cluster["net"] = NetSpec(**cluster.get("net", {}))
         return cls(data=DataConfig(**data["data"]), model=ModelConfig(**data["model"]),
+                   parallel=ParallelConfig(**data.get("parallel", {})),  # absent from older runs' config.json
                    optim=OptimConfig(**data["optim"]), cluster=ClusterConfig(**cluster),
                    strategy=StrategyConfig(**data["strategy"]), run=RunConfig(**data["run"]),
                    sources=dict(data.get("sources", {})))

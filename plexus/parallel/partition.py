@@ -1,0 +1,629 @@
+"""Partition plans: a model's torch.fx graph cut into K stages, one process each (later).
+
+Pure: no processes, no sockets. ``trace_model`` turns a module into a ``ModelGraph``
+(one ``GraphNode`` per fx node, with the parameters it owns, the bytes of its output for
+a sample batch and, when profiled, its forward and backward seconds); ``plan_partitions``
+cuts it into a ``PartitionPlan``; ``format_plan`` prints the plan.
+
+Every method cuts a *topological order* of the graph (fx's node order, the order of the
+forward's code) into K contiguous ranges of computing nodes (call_module, call_function,
+call_method). A placeholder or get_attr node goes with its first consumer. Ranges of a
+topological order are not only chains: when two independent branches (the columns of
+``Towers``) are listed one after the other, a cut between them puts the branches on
+different stages, and the plan's transfers form a DAG (the input skips from stage 0 to
+stage 2, say). What contiguous ranges cannot express is a stage holding two pieces that
+are far apart in that order, and no other order is searched: a forward that
+interleaves its branches' calls gets ranges that cut across the branches. Manual split
+points are cuts of the same order, so they share the limit. It keeps the exact solver
+small: a min-max dynamic programme over the O(n^2) ranges, O(k n^2) steps after pricing
+each range in O(n), fine for graphs of hundreds of nodes.
+
+Transfers are counted send-once: a value produced in stage p and read by several nodes
+of stage q is one transfer p -> q, carrying the value's bytes once per step (and its
+gradient once back, when it has one). The executor's link counters must equal these.
+"""
+from __future__ import annotations
+
+import linecache
+import math
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Literal, Sequence
+
+import torch
+from torch import fx, nn
+
+from plexus.errors import ConfigError
+
+__all__ = [
+    "COMPUTE_OPS",
+    "METHODS",
+    "GraphNode",
+    "ModelGraph",
+    "Transfer",
+    "Partition",
+    "PartitionPlan",
+    "trace_model",
+    "plan_partitions",
+    "format_plan",
+    "format_bytes",
+]
+
+# fx node kinds that compute; placeholders, get_attr and the output only name values.
+COMPUTE_OPS = ("call_module", "call_function", "call_method")
+METHODS = ("uniform", "params", "time", "manual")
+Method = Literal["uniform", "params", "time", "manual"]
+
+# Link bandwidth assumed when none is given: a 4 MB push and pull between two processes
+# of this machine ran at 1.1 to 1.6 GB/s (ARCHITECTURE.md section 8).
+DEFAULT_BANDWIDTH = 1e9
+
+
+@dataclass(frozen=True)
+class GraphNode:
+    """One fx node of the traced model."""
+
+    name: str
+    # placeholder, get_attr, call_module, call_function or call_method
+    op: str
+    # The module's qualified name, the attribute's, or the function's or method's name.
+    target: str
+    # Names of the nodes whose values it reads, in order, each once.
+    inputs: tuple[str, ...]
+    # Qualified names of the parameters it owns (a parameter read by several nodes is
+    # owned by the first), their bytes and element count.
+    params: tuple[str, ...] = ()
+    param_bytes: int = 0
+    param_count: int = 0
+    # Bytes of its output (every tensor in it) for the graph's sample batch.
+    out_bytes: int = 0
+    # Whether a gradient flows back into its output (float and depending on parameters).
+    out_grad: bool = False
+    # Shape and dtype of its output for the sample batch, when the output is one tensor
+    # (None otherwise: such a value cannot cross a cut).
+    out_shape: tuple[int, ...] | None = None
+    out_dtype: str | None = None
+    # The dimension of that output that follows the batch size (None: none does).
+    batch_dim: int | None = None
+    # Profiled seconds of forward and of backward for the sample batch (0 unprofiled).
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+
+    @property
+    def computes(self) -> bool:
+        return self.op in COMPUTE_OPS
+
+
+@dataclass(frozen=True, eq=False)
+class ModelGraph:
+    """A traced model: its GraphModule (which holds the traced model's own parameters,
+    not copies), its nodes in topological order (the output node left out) and the node
+    whose value the model returns."""
+
+    module: fx.GraphModule
+    nodes: tuple[GraphNode, ...]
+    output: str
+    # Samples in the batch that out_bytes and the profiled times were measured on.
+    batch: int
+    profiled: bool = False
+    by_name: dict[str, GraphNode] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "by_name", {n.name: n for n in self.nodes})
+
+    @property
+    def compute(self) -> tuple[GraphNode, ...]:
+        return tuple(n for n in self.nodes if n.computes)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Value ``producer`` of stage ``src`` sent to stage ``dst``: one message of
+    ``nbytes`` forward per step, and its gradient (same bytes) back when ``grad``.
+    ``shape`` and ``dtype`` (torch's name, "float32") are the value's for the plan's
+    batch, for the receiver's buffer."""
+
+    producer: str
+    src: int
+    dst: int
+    nbytes: int
+    grad: bool
+    shape: tuple[int, ...] = ()
+    dtype: str = "float32"
+    # The dimension of ``shape`` that follows the batch size (None: none does).
+    batch_dim: int | None = 0
+
+    def shape_for(self, batch: int) -> tuple[int, ...]:
+        """The value's shape for a batch (or micro-batch) of ``batch`` samples."""
+        if self.batch_dim is None:
+            return self.shape
+        return (*self.shape[:self.batch_dim], batch, *self.shape[self.batch_dim + 1:])
+
+
+@dataclass(frozen=True)
+class Partition:
+    index: int
+    # Every node of the stage, topological order (placeholders and get_attr included).
+    nodes: tuple[str, ...]
+    # Its computing nodes, the ones the cut was chosen over.
+    compute: tuple[str, ...]
+    params: tuple[str, ...]
+    param_bytes: int
+    param_count: int
+    # Predicted seconds per step: profiled forward + backward (0 unprofiled) plus its
+    # transfers, forward and gradients back, at the plan's latency and bandwidth, with a
+    # value sent to several stages priced once (_Costs.measure).
+    time_s: float
+    # Predicted bytes: params, grads, optimizer state, activations and received values.
+    memory_bytes: int
+    # Bytes per step received and sent forward (send-once; gradients go the other way).
+    bytes_in: int
+    bytes_out: int
+
+
+@dataclass(frozen=True)
+class PartitionPlan:
+    method: str
+    batch: int
+    partitions: tuple[Partition, ...]
+    transfers: tuple[Transfer, ...]
+    # Stage of every node, by name.
+    assignment: dict[str, int]
+    # The stage that holds the model's output (where the loss is computed).
+    output_stage: int
+
+    @property
+    def stages(self) -> int:
+        return len(self.partitions)
+
+    def traffic(self) -> dict[tuple[int, int], tuple[int, int]]:
+        """{(src, dst): (messages, bytes)} per step, both directions: a transfer is one
+        message forward and, when it carries a gradient, one back (dst -> src)."""
+        out: dict[tuple[int, int], tuple[int, int]] = {}
+        for t in self.transfers:
+            for key, go in (((t.src, t.dst), True), ((t.dst, t.src), t.grad)):
+                if go:
+                    messages, nbytes = out.get(key, (0, 0))
+                    out[key] = (messages + 1, nbytes + t.nbytes)
+        return out
+
+
+# --- tracing -----------------------------------------------------------------------------
+
+class _ChildrenTracer(fx.Tracer):
+    """Traces an nn.Sequential with its direct children as opaque leaves."""
+
+    def __init__(self, root: nn.Sequential) -> None:
+        super().__init__()
+        self._children = {id(m) for m in root.children()}
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return id(m) in self._children or super().is_leaf_module(m, qualname)
+
+
+def _untraceable(model: nn.Module, exc: BaseException) -> ConfigError:
+    """The innermost module call of ``model`` that the tracer failed in, named."""
+    names = {id(m): q for q, m in model.named_modules()}
+    where = None
+    for frame, line in traceback.walk_tb(exc.__traceback__):
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and id(owner) in names:
+            where = (names[id(owner)], type(owner).__name__, frame.f_code.co_name, frame.f_code.co_filename, line)
+    reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if where is None:
+        call = f"model {type(model).__name__}"
+    else:
+        qual, kind, func, path, line = where
+        code = linecache.getline(path, line).strip()
+        call = f"{kind}.{func} of {qual or 'the model itself'} at {path.rsplit('/', 1)[-1]}:{line} `{code}`"
+    return ConfigError(f"the model cannot be traced by torch.fx for --stages: {call} failed ({reason}); "
+                       f"make that call traceable (no Python control flow on tensor values), build the model as "
+                       f"an nn.Sequential of traceable children, or train with --stages 1")
+
+
+def _symbolic(model: nn.Module) -> fx.GraphModule:
+    try:
+        return fx.symbolic_trace(model)
+    except Exception as exc:  # fx raises TraceError, TypeError, RuntimeError... from user code
+        if not isinstance(model, nn.Sequential):
+            raise _untraceable(model, exc) from None
+    # Fall back to the children of an nn.Sequential, each one opaque node.
+    tracer = _ChildrenTracer(model)
+    return fx.GraphModule(model, tracer.trace(model), type(model).__name__)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    fx.node.map_aggregate(value, lambda v: out.append(v) if isinstance(v, torch.Tensor) else None)
+    return out
+
+
+def _nbytes(value: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(value))
+
+
+class _Recorder(fx.Interpreter):
+    """Runs the graph once, recording each node's output bytes and whether a gradient
+    reaches it; with ``repeats`` > 0 it also times each computing node's forward and
+    backward alone, on detached copies of its inputs (the fastest of ``repeats``, after
+    one untimed run)."""
+
+    def __init__(self, gm: fx.GraphModule, repeats: int) -> None:
+        super().__init__(gm)
+        self.repeats = repeats
+        self.out_bytes: dict[str, int] = {}
+        self.out_grad: dict[str, bool] = {}
+        self.out_meta: dict[str, tuple[tuple[int, ...], str]] = {}
+        self.times: dict[str, tuple[float, float]] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        result = super().run_node(n)
+        self.out_bytes[n.name] = _nbytes(result)
+        self.out_grad[n.name] = any(t.requires_grad for t in _tensors(result))
+        if isinstance(result, torch.Tensor):
+            self.out_meta[n.name] = (tuple(result.shape), str(result.dtype).removeprefix("torch."))
+        if self.repeats and n.op in COMPUTE_OPS:
+            self.times[n.name] = self._time(n)
+        return result
+
+    def _time(self, n: fx.Node) -> tuple[float, float]:
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        fwd = bwd = math.inf
+        for attempt in range(self.repeats + 1):  # the first warms up (backward's first call allocates)
+            a, k = fx.node.map_aggregate((args, kwargs), _fresh_leaf)
+            start = time.perf_counter()
+            out = getattr(self, n.op)(n.target, a, k)
+            middle = time.perf_counter()
+            outs = [t for t in _tensors(out) if t.requires_grad]
+            if outs:
+                torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+            end = time.perf_counter()
+            if attempt:
+                fwd, bwd = min(fwd, middle - start), min(bwd, end - middle)
+        self.module.zero_grad(set_to_none=True)
+        return fwd, (bwd if bwd < math.inf else 0.0)
+
+
+def _fresh_leaf(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.detach().requires_grad_(v.requires_grad)
+    return v
+
+
+def trace_model(model: nn.Module, sample: torch.Tensor, *, profile: bool = False, repeats: int = 3) -> ModelGraph:
+    """Trace ``model`` with torch.fx and measure each node on ``sample`` (a batch).
+
+    A model that fx cannot trace raises ConfigError naming the first call that failed,
+    unless it is an nn.Sequential: then its direct children become opaque nodes.
+    ``profile`` times each node's forward and backward (the ``time`` method needs it);
+    it leaves the model's parameters with ``.grad`` None.
+    """
+    gm = _symbolic(model)
+    recorder = _Recorder(gm, repeats if profile else 0)
+    # A second run on one more sample shows which dimension of each output follows the batch.
+    bigger = _Recorder(gm, 0)
+    # Measuring must leave no trace: buffers (batch-norm statistics) and the random
+    # generator (dropout) are as they were, so a traced model trains as an untraced one.
+    buffers = {name: b.clone() for name, b in gm.named_buffers()}
+    with torch.random.fork_rng(devices=[]), torch.enable_grad():
+        recorder.run(sample)
+        bigger.run(torch.cat([sample, sample[:1]]))
+    with torch.no_grad():
+        for name, b in gm.named_buffers():
+            b.copy_(buffers[name])
+    gm.zero_grad(set_to_none=True)
+    modules = dict(gm.named_modules())
+    owned: set[int] = set()
+    nodes: list[GraphNode] = []
+    output = ""
+    for n in gm.graph.nodes:
+        if n.op == "output":
+            outs = n.all_input_nodes
+            if len(outs) != 1 or n.args[0] is not outs[0]:
+                raise ConfigError(f"--stages needs a model that returns one tensor, but {type(model).__name__} "
+                                  f"returns {n.args[0]!r}: return the logits only")
+            output = outs[0].name
+            continue
+        named: list[tuple[str, torch.Tensor]] = []
+        if n.op == "call_module":
+            named = list(modules[n.target].named_parameters(prefix=n.target))
+        elif n.op == "get_attr":
+            value = gm.get_parameter(n.target) if _is_param(gm, n.target) else None
+            named = [(n.target, value)] if value is not None else []
+        mine = [(q, p) for q, p in named if id(p) not in owned]
+        owned.update(id(p) for _, p in mine)
+        fwd, bwd = recorder.times.get(n.name, (0.0, 0.0))
+        shape, dtype = recorder.out_meta.get(n.name, (None, None))
+        batch_dim = _batch_dim(shape, bigger.out_meta.get(n.name, (None, None))[0])
+        target = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
+        nodes.append(GraphNode(
+            name=n.name, op=n.op, target=target, inputs=tuple(i.name for i in n.all_input_nodes),
+            params=tuple(q for q, _ in mine), param_bytes=sum(p.numel() * p.element_size() for _, p in mine),
+            param_count=sum(p.numel() for _, p in mine), out_bytes=recorder.out_bytes.get(n.name, 0),
+            out_grad=recorder.out_grad.get(n.name, False), out_shape=shape, out_dtype=dtype, batch_dim=batch_dim,
+            forward_s=fwd, backward_s=bwd))
+    return ModelGraph(module=gm, nodes=tuple(nodes), output=output, batch=int(sample.shape[0]), profiled=profile)
+
+
+def _batch_dim(shape: tuple[int, ...] | None, bigger: tuple[int, ...] | None) -> int | None:
+    """The one dimension that grew by one sample between the two runs; None when none did
+    (a parameter, a batch-wide reduction) or the shapes are not comparable."""
+    if shape is None or bigger is None or len(shape) != len(bigger):
+        return None
+    grew = [d for d, (a, b) in enumerate(zip(shape, bigger)) if a != b]
+    return grew[0] if len(grew) == 1 and bigger[grew[0]] == shape[grew[0]] + 1 else None
+
+
+def _is_param(gm: fx.GraphModule, target: str) -> bool:
+    try:
+        gm.get_parameter(target)
+        return True
+    except AttributeError:
+        return False
+
+
+# --- ranges and their costs ----------------------------------------------------------------
+
+class _Costs:
+    """Per-range figures over the computing nodes c_0..c_{n-1}; a non-computing node
+    (placeholder, get_attr) counts at its first consumer's position."""
+
+    def __init__(self, graph: ModelGraph, optimizer_slots: int, bandwidth: float, latency: float) -> None:
+        self.graph, self.optimizer_slots = graph, optimizer_slots
+        self.bandwidth, self.latency = bandwidth, latency
+        self.compute = [n.name for n in graph.compute]
+        self.pos = {name: i for i, name in enumerate(self.compute)}
+        self.users: dict[str, list[str]] = {n.name: [] for n in graph.nodes}
+        for n in graph.nodes:
+            for i in n.inputs:
+                self.users[i].append(n.name)
+        for n in reversed(graph.nodes):  # reversed: a node's users are placed first
+            if not n.computes:
+                self.pos[n.name] = min((self.pos[u] for u in self.users[n.name] if u in self.pos), default=0)
+        self.at: list[list[GraphNode]] = [[] for _ in self.compute]
+        for n in graph.nodes:  # graph order: a position's placeholders before its computing node
+            if self.compute:
+                self.at[self.pos[n.name]].append(n)
+
+    def sweep(self, lo: int) -> Iterator[tuple[float, int, int, int, int]]:
+        """``measure(lo, hi)`` for hi = lo + 1, ..., n in turn, each in time linear in the
+        nodes it adds: every range of every lo in O(n^2 + edges) all told."""
+        compute_s, params, activations = 0.0, 0, 0
+        inside: set[str] = set()
+        received: set[str] = set()  # once each, however many nodes inside read it
+        waiting: dict[str, int] = {}  # inside, with users at or after hi: sent
+        # [messages, bytes] of values received and of values sent, each once, forward and
+        # back (a value with a gradient crosses twice).
+        recv, sent = [0, 0, 0], [0, 0, 0]  # count, forward bytes, bytes with gradients
+
+        def cross(tally: list[int], node: GraphNode, sign: int) -> None:
+            tally[0] += sign * (1 + node.out_grad)
+            tally[1] += sign * node.out_bytes
+            tally[2] += sign * node.out_bytes * (1 + node.out_grad)
+
+        for hi in range(lo + 1, len(self.compute) + 1):
+            for node in self.at[hi - 1]:
+                inside.add(node.name)
+                compute_s += node.forward_s + node.backward_s
+                params += node.param_bytes
+                activations += node.out_bytes if node.op != "get_attr" else 0
+                for i in node.inputs:
+                    if i in received:
+                        continue
+                    if i not in inside:
+                        received.add(i)
+                        cross(recv, self.graph.by_name[i], 1)
+                    else:
+                        waiting[i] -= 1
+                        if not waiting[i]:
+                            del waiting[i]
+                            cross(sent, self.graph.by_name[i], -1)
+                if self.users[node.name]:
+                    waiting[node.name] = len(self.users[node.name])
+                    cross(sent, node, 1)
+            memory = (2 + self.optimizer_slots) * params + activations + recv[1]
+            comm = (recv[0] + sent[0]) * self.latency + (recv[2] + sent[2]) / self.bandwidth
+            yield compute_s + comm, memory, params, recv[1], sent[1]
+
+    def measure(self, lo: int, hi: int) -> tuple[float, int, int, int, int]:
+        """(seconds, memory bytes, parameter bytes, bytes in, bytes out) of the range
+        [lo, hi): profiled compute plus each crossing value forward and, when it has one,
+        its gradient back. A value sent to several later stages is priced once here,
+        since the range alone does not say how many stages those are: a lower bound on
+        the sender's cost that keeps the dynamic programme exact for this model. The
+        plan's transfers and bytes_out count each receiving stage."""
+        for i, figures in enumerate(self.sweep(lo), lo + 1):
+            if i == hi:
+                return figures
+        raise IndexError(f"range [{lo}, {hi}) is outside the {len(self.compute)} computing nodes")
+
+
+def _min_max_cuts(n: int, k: int, cost: list[list[float]]) -> list[int] | None:
+    """Boundaries 0 = b_0 < ... < b_k = n minimising the largest cost[lo][hi] of the k
+    ranges (math.inf: not allowed); None when no cut is allowed. Exact, O(k n^2)."""
+    best = [[math.inf] * (n + 1) for _ in range(k + 1)]
+    back = [[0] * (n + 1) for _ in range(k + 1)]
+    best[0][0] = 0.0
+    for s in range(1, k + 1):
+        for hi in range(s, n - (k - s) + 1):
+            for lo in range(s - 1, hi):
+                value = max(best[s - 1][lo], cost[lo][hi])
+                if value < best[s][hi]:
+                    best[s][hi], back[s][hi] = value, lo
+    if best[k][n] == math.inf:
+        return None
+    cuts = [n]
+    for s in range(k, 0, -1):
+        cuts.append(back[s][cuts[-1]])
+    return cuts[::-1]
+
+
+def _split_index(graph: ModelGraph, point: str, compute: list[str]) -> int:
+    """The computing node a split point names: an fx node name, a module's qualified name,
+    or a container module's (its first node)."""
+    for i, name in enumerate(compute):
+        node = graph.by_name[name]
+        if name == point or (node.op == "call_module" and node.target == point):
+            return i
+    for i, name in enumerate(compute):
+        node = graph.by_name[name]
+        if node.op == "call_module" and node.target.startswith(point + "."):
+            return i
+    shown = ", ".join(compute[:8]) + (", ..." if len(compute) > 8 else "")
+    raise ConfigError(f"split point {point!r} is neither an fx node nor a module of the model: name one of its "
+                      f"nodes ({shown}) or a module's qualified name; --print-partition lists them")
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def plan_partitions(graph: ModelGraph, stages: int, method: Method = "params", *,
+                    split_points: Sequence[str] = (), memory_cap: int | None = None, optimizer_slots: int = 1,
+                    bandwidth: float | None = None, latency: float = 0.0) -> PartitionPlan:
+    """Cut ``graph`` into ``stages`` contiguous ranges of its topological order.
+
+    uniform: equal numbers of computing nodes. params: the largest stage's parameter
+    bytes as small as possible. time: the largest stage's forward + backward seconds
+    plus its transfers' seconds (``latency`` per message, ``bandwidth`` bytes/s, forward
+    and back) as small as possible; needs a profiled graph. manual: each split point
+    starts a new stage, so ``stages`` must be len(split_points) + 1. params and time
+    are exact min-max dynamic programmes over every contiguous cut and respect
+    ``memory_cap`` (bytes per stage: parameters, gradients, ``optimizer_slots`` copies
+    of optimizer state, activations and received values); uniform and manual are
+    refused when a stage exceeds it. Bad input raises ConfigError.
+    """
+    if method not in METHODS:
+        raise ConfigError(f"partition must be one of {', '.join(METHODS)}, got {method!r}: pass --partition params")
+    costs = _Costs(graph, optimizer_slots, bandwidth or DEFAULT_BANDWIDTH, latency)
+    compute = costs.compute
+    n = len(compute)
+    if stages < 1 or stages > n:
+        raise ConfigError(f"stages must lie in [1, {n}] for this model, which has {n} computing nodes, got "
+                          f"{stages}: pass --stages {max(1, min(stages, n))} or fewer")
+    cap = memory_cap if memory_cap is not None else math.inf
+    if method == "manual":
+        if len(split_points) + 1 != stages:
+            raise ConfigError(f"--partition manual makes one stage more than split points: {len(split_points)} "
+                              f"split points give {len(split_points) + 1} stages, but stages is {stages}: pass "
+                              f"--stages {len(split_points) + 1}")
+        cuts_at = [_split_index(graph, p, compute) for p in split_points]
+        for p, i in zip(split_points, cuts_at):
+            if i == 0:
+                raise ConfigError(f"split point {p!r} is the model's first node, so stage 0 would be empty: "
+                                  f"name a later node")
+        if len(set(cuts_at)) != len(cuts_at):
+            raise ConfigError(f"split points {', '.join(split_points)} name the same node twice: each split "
+                              f"point must start a different stage")
+        cuts = [0, *sorted(cuts_at), n]
+    elif method == "uniform":
+        cuts = [round(s * n / stages) for s in range(stages + 1)]
+    else:
+        if method == "time" and not graph.profiled:
+            raise ValueError("the time method needs a graph traced with profile=True")
+        table: list[list[float]] = [[math.inf] * (n + 1) for _ in range(n + 1)]
+        for lo in range(n):
+            for hi, (seconds, memory, params, _, _) in enumerate(costs.sweep(lo), lo + 1):
+                if memory <= cap:
+                    table[lo][hi] = seconds if method == "time" else float(params)
+        found = _min_max_cuts(n, stages, table)
+        if found is None:
+            raise _no_legal_cut(costs, graph, stages, cap)
+        cuts = found
+    return _make_plan(graph, costs, method, cuts, cap)
+
+
+def _no_legal_cut(costs: _Costs, graph: ModelGraph, stages: int, cap: float) -> ConfigError:
+    compute = costs.compute
+    for i, name in enumerate(compute):
+        memory = costs.measure(i, i + 1)[1]
+        if memory > cap:
+            node = graph.by_name[name]
+            return ConfigError(f"node {name} ({node.target}) alone needs {format_bytes(memory)} (parameters, "
+                               f"gradients, optimizer state, activations), more than --stage-memory "
+                               f"{format_bytes(cap)}, so no cut is legal: raise --stage-memory to at least "
+                               f"{format_bytes(memory)}")
+    needed, lo = 0, 0
+    while lo < len(compute):  # greedy: the fewest stages that fit
+        hi = lo + 1
+        for end, figures in enumerate(costs.sweep(lo), lo + 1):
+            if figures[1] > cap:
+                break
+            hi = end
+        needed, lo = needed + 1, hi
+    return ConfigError(f"{stages} stage{'s' if stages > 1 else ''} cannot hold the model under --stage-memory "
+                       f"{format_bytes(cap)}: it needs at least {needed}; pass --stages {needed} or a larger "
+                       f"--stage-memory")
+
+
+def _make_plan(graph: ModelGraph, costs: _Costs, method: str, cuts: list[int], cap: float) -> PartitionPlan:
+    pos, compute = costs.pos, costs.compute
+    stage_of_pos = {i: s for s in range(len(cuts) - 1) for i in range(cuts[s], cuts[s + 1])}
+    assignment = {n.name: stage_of_pos[pos[n.name]] for n in graph.nodes}
+    transfers: list[Transfer] = []
+    for n in graph.nodes:
+        src = assignment[n.name]
+        for dst in sorted({assignment[u] for u in costs.users[n.name]} - {src}):
+            if n.out_shape is None or n.out_dtype is None:
+                raise ConfigError(f"value {n.name} ({n.target}) would cross from stage {src} to stage {dst}, but it "
+                                  f"is not one tensor: move the split points so that it and its readers share a "
+                                  f"stage")
+            transfers.append(Transfer(producer=n.name, src=src, dst=dst, nbytes=n.out_bytes, grad=n.out_grad,
+                                      shape=n.out_shape, dtype=n.out_dtype, batch_dim=n.batch_dim))
+    partitions = []
+    for s in range(len(cuts) - 1):
+        seconds, memory, _, _, _ = costs.measure(cuts[s], cuts[s + 1])
+        if memory > cap:
+            raise ConfigError(f"stage {s} of the {method} plan needs {format_bytes(memory)}, more than "
+                              f"--stage-memory {format_bytes(cap)}: pass --partition params or time, which keep "
+                              f"under the cap, or move the split points")
+        nodes = tuple(n.name for n in graph.nodes if assignment[n.name] == s)
+        infos = [graph.by_name[x] for x in nodes]
+        partitions.append(Partition(
+            index=s, nodes=nodes, compute=tuple(compute[cuts[s]:cuts[s + 1]]),
+            params=tuple(q for i in infos for q in i.params), param_bytes=sum(i.param_bytes for i in infos),
+            param_count=sum(i.param_count for i in infos), time_s=seconds, memory_bytes=memory,
+            bytes_in=sum(t.nbytes for t in transfers if t.dst == s),
+            bytes_out=sum(t.nbytes for t in transfers if t.src == s)))
+    _check_shared_weights(graph, assignment)
+    return PartitionPlan(method=method, batch=graph.batch, partitions=tuple(partitions), transfers=tuple(transfers),
+                         assignment=assignment, output_stage=assignment[graph.output])
+
+
+def _check_shared_weights(graph: ModelGraph, assignment: dict[str, int]) -> None:
+    """A module, or a parameter (tied weights), used from two stages would be trained as
+    two copies in two processes: refused. A get_attr value read in another stage is
+    sent like any value (its gradient comes back), so only modules are checked."""
+    modules = dict(graph.module.named_modules())
+    where: dict[int, tuple[str, int]] = {}
+    for n in graph.nodes:
+        if n.op != "call_module":
+            continue
+        stage = assignment[n.name]
+        for key, p in [(n.target, modules[n.target]), *modules[n.target].named_parameters(prefix=n.target)]:
+            first, s = where.setdefault(id(p), (key, stage))
+            if s != stage:
+                what = f"module {key}" if key == first else f"parameter {key} (tied to {first})"
+                raise ConfigError(f"{what} is used in stages {s} and {stage}; its weights must live in one stage: "
+                                  f"move the split points so that every use of it falls in one stage")
+
+
+def format_plan(plan: PartitionPlan, graph: ModelGraph) -> str:
+    """The plan as a table: each stage's nodes, parameters, predicted time and memory,
+    and the bytes it receives and sends forward per step (send-once)."""
+    rows = [("stage", "nodes", "params", "pred ms", "memory", "in/step", "out/step")]
+    for p in plan.partitions:
+        span = p.compute[0] if len(p.compute) == 1 else f"{p.compute[0]}..{p.compute[-1]}"
+        rows.append((str(p.index), f"{span} ({len(p.compute)})", f"{p.param_count:,}",
+                     f"{p.time_s * 1e3:.3f}" if graph.profiled else "-", format_bytes(p.memory_bytes),
+                     format_bytes(p.bytes_in), format_bytes(p.bytes_out)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    cuts = ", ".join(f"{t.producer} {t.src}->{t.dst} {format_bytes(t.nbytes)}" for t in plan.transfers) or "none"
+    lines.append(f"transfers (each value once per receiving stage, per step of batch {plan.batch}): {cuts}")
+    return "\n".join(lines)

@@ -1,0 +1,513 @@
+"""Partition plans and stage programs (plexus/parallel), checked against the whole model.
+
+The oracle: the stages run in one process (``forward_backward``) give the loss and every
+parameter's gradient of the unpartitioned model, and 20 SGD steps of the stages end
+where 20 steps of the whole model end. Transfers are counted send-once, and bad input
+is one ConfigError line (status 2 through the CLI).
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plexus.cli import main
+from plexus.config import PARTITION_METHODS, DataConfig, JobConfig, ModelConfig, parse_size
+from plexus.errors import ConfigError
+from plexus.parallel import (METHODS, build_stages, forward_backward, merge_state_dicts, plan_partitions,
+                             trace_model)
+from plexus.train.data import load_dataset
+from plexus.train.models import CharTransformer, Towers, build_model
+
+BATCH = 16
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_dataset(DataConfig(dataset="digits"), seed=0)
+
+
+def _model(name: str, data, hidden: int = 16) -> nn.Module:
+    torch.manual_seed(0)
+    return build_model(ModelConfig(model=name, hidden=hidden), data)
+
+
+def _batch(data, step: int = 0):
+    lo = (step * BATCH) % (len(data.x_train) - BATCH)
+    return data.x_train[lo:lo + BATCH], data.y_train[lo:lo + BATCH]
+
+
+def _stage_params(stages) -> dict[str, torch.Tensor]:
+    return {name: p for s in stages for name, p in s.module.named_parameters()}
+
+
+MODELS = ("mlp", "cnn", "towers", "deep-mlp")
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("stages", (2, 3, 4))
+def test_stages_give_the_whole_models_loss_and_gradients(digits, name, stages):
+    model = _model(name, digits)
+    x, y = _batch(digits)
+    graph = trace_model(model, x)
+    for method in ("uniform", "params"):
+        plan = plan_partitions(graph, stages, method)
+        programs = build_stages(graph, plan)
+        traffic: dict = {}
+        loss, out = forward_backward(programs, {"x": x}, lambda o: F.cross_entropy(o, y), traffic)
+        # Every value passed between stages, forward and back, is what the plan predicted.
+        assert traffic == plan.traffic()
+        whole = copy.deepcopy(model)
+        expected_out = whole(x)
+        expected = F.cross_entropy(expected_out, y)
+        expected.backward()
+        torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=0)
+        torch.testing.assert_close(out, expected_out.detach(), rtol=1e-5, atol=1e-7)
+        grads = {k: p.grad for k, p in _stage_params(programs).items()}
+        assert set(grads) == {k for k, _ in whole.named_parameters()}
+        for key, p in whole.named_parameters():
+            torch.testing.assert_close(grads[key], p.grad, rtol=1e-5, atol=1e-7, msg=f"{name} {method} {key}")
+        # The stages' state_dicts make the model's own (strict load).
+        state = merge_state_dicts(s.module.state_dict() for s in programs)
+        copy.deepcopy(model).load_state_dict(state, strict=True)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_twenty_sgd_steps_of_stages_equal_the_whole_model(digits, name):
+    model = _model(name, digits)
+    graph = trace_model(model, _batch(digits)[0])
+    plan = plan_partitions(graph, 3, "uniform")
+    programs = build_stages(graph, plan)
+    whole = copy.deepcopy(model)
+    opt_whole = torch.optim.SGD(whole.parameters(), lr=0.05, momentum=0.9)
+    opts = [torch.optim.SGD(s.module.parameters(), lr=0.05, momentum=0.9) for s in programs]
+    for step in range(20):
+        x, y = _batch(digits, step)
+        for opt in (opt_whole, *opts):
+            opt.zero_grad()
+        F.cross_entropy(whole(x), y).backward()
+        forward_backward(programs, {"x": x}, lambda o: F.cross_entropy(o, y))
+        for opt in (opt_whole, *opts):
+            opt.step()
+    state = merge_state_dicts(s.module.state_dict() for s in programs)
+    for key, value in whole.state_dict().items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    # The traced model itself was not trained: stages hold copies.
+    trained = whole.state_dict()
+    assert all(not torch.equal(value, trained[key]) for key, value in model.state_dict().items())
+
+
+def test_branches_on_different_stages_form_a_dag(digits):
+    """Towers' columns come one after the other in the topological order: cutting at the
+    second column's first layer and at the join puts the columns on stages 0 and 1 and
+    the head on stage 2, and the flattened input skips from stage 0 to stage 1."""
+    model = _model("towers", digits)
+    x, y = _batch(digits)
+    graph = trace_model(model, x)
+    plan = plan_partitions(graph, 3, "manual", split_points=("towers.1", "cat"))
+    assert [p.compute[0] for p in plan.partitions] == ["flatten", "towers_1_0", "cat"]
+    edges = {(t.producer, t.src, t.dst) for t in plan.transfers}
+    assert edges == {("flatten", 0, 1), ("towers_0_3", 0, 2), ("towers_1_3", 1, 2)}
+    programs = build_stages(graph, plan)
+    loss, _ = forward_backward(programs, {"x": x}, lambda o: F.cross_entropy(o, y))
+    whole = copy.deepcopy(model)
+    expected = F.cross_entropy(whole(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=0)
+    grads = _stage_params(programs)
+    for key, p in whole.named_parameters():
+        torch.testing.assert_close(grads[key].grad, p.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_a_value_read_by_several_nodes_of_a_stage_is_sent_once(digits):
+    """flatten's output feeds both columns' first layers; with both on stage 1 it crosses
+    the cut once, where counting consumers would send it twice."""
+    model = _model("towers", digits, hidden=8)
+    x, _ = _batch(digits)
+    graph = trace_model(model, x)
+    plan = plan_partitions(graph, 2, "manual", split_points=("towers.0.0",))
+    flat = graph.by_name["flatten"]
+    assert flat.out_bytes == x.numel() * 4
+    consumers = [n for n in graph.nodes if "flatten" in n.inputs and plan.assignment[n.name] == 1]
+    assert len(consumers) == 2  # the naive count: one message per consuming node
+    sent = [t for t in plan.transfers if t.producer == "flatten"]
+    assert len(sent) == 1 and sent[0].nbytes == flat.out_bytes and (sent[0].src, sent[0].dst) == (0, 1)
+    assert plan.partitions[1].bytes_in == flat.out_bytes == plan.partitions[0].bytes_out
+    # flatten(x) depends on no parameter: no gradient goes back, one message per step.
+    assert plan.traffic() == {(0, 1): (1, flat.out_bytes)}
+    # The stage program takes it as one input and stage 0 returns it once.
+    stages = build_stages(graph, plan)
+    assert stages[0].outputs == ("flatten",) and stages[1].inputs == ("flatten",)
+    traffic: dict = {}
+    forward_backward(stages, {"x": x}, lambda o: o.sum(), traffic)
+    assert traffic == {(0, 1): (1, flat.out_bytes)}
+
+
+def test_traffic_counts_gradients_back(digits):
+    model = _model("mlp", digits, hidden=8)
+    x, _ = _batch(digits)
+    graph = trace_model(model, x)
+    plan = plan_partitions(graph, 2, "manual", split_points=("net.3",))
+    (t,) = plan.transfers
+    assert t.producer == "net_2" and t.grad and t.nbytes == BATCH * 8 * 4
+    assert plan.traffic() == {(0, 1): (1, t.nbytes), (1, 0): (1, t.nbytes)}
+
+
+def test_methods_and_config_agree():
+    assert METHODS == PARTITION_METHODS
+
+
+def test_uniform_counts_computing_nodes_only(digits):
+    graph = trace_model(_model("deep-mlp", digits), _batch(digits)[0])
+    assert len(graph.compute) == 16  # flatten, 8 Linear, 7 ReLU; the placeholder does not count
+    plan = plan_partitions(graph, 4, "uniform")
+    assert [len(p.compute) for p in plan.partitions] == [4, 4, 4, 4]
+    assert "x" in plan.partitions[0].nodes
+
+
+def _brute_force(graph, stages: int, cost) -> float:
+    """The smallest largest cost over every cut of the computing nodes into ``stages``
+    contiguous non-empty ranges."""
+    from itertools import combinations
+    n = len(graph.compute)
+    best = float("inf")
+    for inner in combinations(range(1, n), stages - 1):
+        plan = plan_partitions(graph, stages, "manual", split_points=[graph.compute[i].name for i in inner])
+        best = min(best, max(cost(p) for p in plan.partitions))
+    return best
+
+
+def test_params_and_time_are_exact_min_max_cuts(digits):
+    graph = trace_model(_model("deep-mlp", digits, hidden=64), _batch(digits)[0], profile=True, repeats=1)
+    for stages in (2, 3):
+        plan = plan_partitions(graph, stages, "params")
+        assert max(p.param_bytes for p in plan.partitions) == _brute_force(graph, stages, lambda p: p.param_bytes)
+        plan = plan_partitions(graph, stages, "time")
+        assert max(p.time_s for p in plan.partitions) == pytest.approx(
+            _brute_force(graph, stages, lambda p: p.time_s), rel=1e-12)
+
+
+def test_time_method_profiles_and_respects_the_memory_cap(digits):
+    model = _model("deep-mlp", digits, hidden=128)
+    x, _ = _batch(digits)
+    graph = trace_model(model, x, profile=True, repeats=1)
+    assert all(n.forward_s > 0 for n in graph.compute)
+    free = plan_partitions(graph, 3, "time")
+    assert all(p.time_s > 0 for p in free.partitions)
+    # The tightest cap any 3-stage cut meets forces the time plan onto a cut that meets it...
+    tightest = int(_brute_force(graph, 3, lambda p: p.memory_bytes))
+    assert tightest < max(p.memory_bytes for p in plan_partitions(graph, 3, "uniform").partitions)
+    capped = plan_partitions(graph, 3, "time", memory_cap=tightest)
+    assert max(p.memory_bytes for p in capped.partitions) == tightest
+    assert max(p.time_s for p in capped.partitions) >= max(p.time_s for p in free.partitions)
+    # ... and one byte less leaves no legal 3-stage cut: the fewest stages that fit are named.
+    with pytest.raises(ConfigError, match=r"3 stages cannot hold the model under --stage-memory .* it needs at "
+                                          r"least [4-9]; pass --stages [4-9]"):
+        plan_partitions(graph, 3, "time", memory_cap=tightest - 1)
+    # uniform is refused when a stage exceeds the cap (it does not search).
+    with pytest.raises(ConfigError, match="stage [0-2] of the uniform plan needs .* more than --stage-memory"):
+        plan_partitions(graph, 3, "uniform", memory_cap=tightest)
+
+
+def test_a_layer_larger_than_the_cap_has_no_legal_cut(digits):
+    graph = trace_model(_model("deep-mlp", digits, hidden=256), _batch(digits)[0])
+    with pytest.raises(ConfigError, match=r"node net_3 \(net\.3\) alone needs .* no cut is legal") as err:
+        plan_partitions(graph, 4, "params", memory_cap=300_000)
+    assert "\n" not in str(err.value)
+
+
+def test_bad_input_is_one_config_error_line(digits):
+    graph = trace_model(_model("mlp", digits), _batch(digits)[0])
+    cases = [
+        (dict(stages=7, method="uniform"), "stages must lie in \\[1, 6\\]"),
+        (dict(stages=0, method="params"), "stages must lie"),
+        (dict(stages=2, method="manual", split_points=("nope",)), "split point 'nope' is neither"),
+        (dict(stages=2, method="manual", split_points=("net.0",)), "first node"),
+        (dict(stages=3, method="manual", split_points=("net.3",)), "one stage more than split points"),
+        (dict(stages=3, method="manual", split_points=("net.3", "net_3")), "same node twice"),
+        (dict(stages=2, method="random"), "partition must be one of"),
+    ]
+    for kwargs, pattern in cases:
+        with pytest.raises(ConfigError, match=pattern) as err:
+            plan_partitions(graph, kwargs.pop("stages"), kwargs.pop("method"), **kwargs)
+        assert "\n" not in str(err.value)
+
+
+def test_an_untraceable_model_names_the_offending_call():
+    model = CharTransformer(vocab=10, max_len=8, hidden=8)
+    with pytest.raises(ConfigError, match=r"CharTransformer\.forward of the model itself at models\.py:\d+ "
+                                          r"`if x\.dtype != torch\.int64") as err:
+        trace_model(model, torch.zeros(2, 8, dtype=torch.long))
+    assert "\n" not in str(err.value)
+
+    class Gate(nn.Module):
+        def forward(self, x):
+            return x if x.sum() > 0 else -x
+
+    inner = nn.Sequential(nn.Linear(4, 4), Gate())
+    with pytest.raises(ConfigError, match=r"Gate\.forward of inner\.1 at test_partition\.py:\d+ `return x if"):
+        trace_model(_Wrap(inner), torch.randn(3, 4))
+
+
+class _Wrap(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x) * 2
+
+
+def test_an_untraceable_sequential_falls_back_to_its_children():
+    class Gate(nn.Module):
+        def forward(self, x):
+            return x if x.sum() > 0 else -x
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), Gate(), nn.Linear(6, 3))
+    x, y = torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])
+    graph = trace_model(model, x)
+    assert [n.target for n in graph.compute] == ["0", "1", "2"]
+    plan = plan_partitions(graph, 3, "uniform")
+    programs = build_stages(graph, plan)
+    loss, _ = forward_backward(programs, {graph.nodes[0].name: x}, lambda o: F.cross_entropy(o, y))
+    whole = copy.deepcopy(model)
+    expected = F.cross_entropy(whole(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=0)
+
+
+def test_towers_model_joins_its_columns_late(digits):
+    model = _model("towers", digits)
+    assert isinstance(model, Towers) and len(model.towers) == 2
+    assert model(_batch(digits)[0]).shape == (BATCH, 10)
+
+
+def test_parse_size():
+    assert parse_size("2GB") == 2 * 10**9 and parse_size("512MB") == 512 * 10**6
+    assert parse_size("1.5GiB") == 3 * 2**29 and parse_size("1000") == 1000
+    for bad in ("2XB", "-1GB", "", "GB"):
+        with pytest.raises(ConfigError, match="stage_memory must be a positive size"):
+            parse_size(bad)
+
+
+def test_config_checks_the_parallel_fields():
+    cfg = JobConfig.from_flat({"stages": 3, "partition": "manual", "split_points": "net.3, net.5"})
+    assert cfg.parallel.split_point_names == ("net.3", "net.5") and cfg.parallel.partition == "manual"
+    assert JobConfig.from_flat({}).parallel.partition == "params" and JobConfig.from_flat({}).parallel.stages == 1
+    assert JobConfig.from_flat({"stage_memory": "2GB"}).parallel.stage_memory_bytes == 2 * 10**9
+    assert JobConfig.from_dict(JobConfig.from_flat({"stages": 2}).to_dict()).parallel.stages == 2
+    for flat, pattern in [({"stages": 0}, "stages must be at least 1"),
+                          ({"partition": "manual"}, "split_points must name at least one node"),
+                          ({"partition": "manual", "split_points": "a,b"}, "stages must be one more than the 2"),
+                          ({"split_points": "a"}, "split_points apply to --partition manual only"),
+                          ({"stage_memory": "lots"}, "stage_memory must be a positive size")]:
+        with pytest.raises(ConfigError, match=pattern):
+            JobConfig.from_flat(flat)
+
+
+def test_cli_print_partition(capsys):
+    assert main(["train", "--model", "towers", "--stages", "3", "--print-partition", "--batch-size", "32",
+                 "--hidden", "16"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("towers on digits: 3 stages by --partition params, 11 computing nodes, batch 32")
+    assert out[1].split() == ["stage", "nodes", "params", "pred", "ms", "memory", "in/step", "out/step"]
+    rows = [line.split() for line in out[2:5]]
+    assert [r[0] for r in rows] == ["0", "1", "2"]
+    assert rows[0][1].startswith("flatten..") and rows[2][1].endswith("..head")
+    assert sum(int(r[3].replace(",", "")) for r in rows) == sum(
+        p.numel() for p in _model("towers", load_dataset(DataConfig(dataset="digits")), hidden=16).parameters())
+    assert out[5].startswith("transfers (each value once per receiving stage, per step of batch 32): flatten 0->1")
+
+
+def test_cli_deep_mlp_needs_several_stages_under_a_small_stage_memory(capsys):
+    flags = ["--model", "deep-mlp", "--hidden", "256", "--stage-memory", "1MB", "--print-partition"]
+    assert main(["train", *flags, "--stages", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "1 stage cannot hold the model under --stage-memory 1.0 MB: it needs at least 8" in err
+    assert main(["train", *flags, "--stages", "8", "--partition", "time"]) == 0
+    rows = capsys.readouterr().out.splitlines()[2:10]
+    units = {"B": 1, "kB": 1e3, "MB": 1e6, "GB": 1e9}
+    memory = [float(r.split()[-6]) * units[r.split()[-5]] for r in rows]  # memory, in/step, out/step: 2 words each
+    assert [r.split()[0] for r in rows] == [str(i) for i in range(8)] and all(0 < m <= 1e6 for m in memory)
+
+
+def test_cli_print_partition_time_and_manual(capsys):
+    assert main(["train", "--model", "cnn", "--stages", "2", "--partition", "manual", "--split-points", "net.4",
+                 "--print-partition"]) == 0
+    out = capsys.readouterr().out
+    assert "net_0..net_3 (4)" in out and "net_4..net_8 (5)" in out
+    assert main(["train", "--model", "mlp", "--stages", "2", "--partition", "time", "--print-partition"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert all(float(line.split()[4]) > 0 for line in out[2:4])
+
+
+@pytest.mark.parametrize("argv, pattern", [
+    (["--stages", "99", "--print-partition"], "stages must lie in [1, 6]"),
+    (["--stages", "2", "--partition", "manual", "--split-points", "nope", "--print-partition"],
+     "split point 'nope' is neither"),
+    (["--model", "lm", "--dataset", "text", "--num-samples", "40", "--stages", "2", "--print-partition"],
+     "CharTransformer.forward of the model itself"),
+    (["--model", "deep-mlp", "--hidden", "256", "--stages", "4", "--stage-memory", "300kB", "--print-partition"],
+     "alone needs"),
+    (["--stages", "2"], "the partitioned executor does not run yet"),
+])
+def test_cli_bad_partition_exits_2_with_one_line(capsys, argv, pattern):
+    assert main(["train", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and pattern in err, err
+
+
+class _Tied(nn.Module):
+    """Two layers sharing one weight (tie, untie) and a layer called twice (mid)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(6, 4, bias=False)
+        self.mid = nn.Linear(4, 4)
+        self.dec = nn.Linear(4, 6, bias=False)
+        self.tie = nn.Linear(6, 6)
+        self.untie = nn.Linear(6, 6)
+        self.untie.weight = self.tie.weight
+
+    def forward(self, x):
+        return self.untie(self.dec(self.mid(self.mid(self.enc(self.tie(x))))))
+
+
+def test_weights_used_from_two_stages_are_refused():
+    graph = trace_model(_Tied(), torch.randn(3, 6))
+    assert [n.name for n in graph.compute] == ["tie", "enc", "mid", "mid_1", "dec", "untie"]
+    with pytest.raises(ConfigError, match="module mid is used in stages 0 and 1"):
+        plan_partitions(graph, 2, "manual", split_points=("mid_1",))
+    with pytest.raises(ConfigError, match=r"parameter untie.weight \(tied to tie.weight\) is used in stages 0 and 1"):
+        plan_partitions(graph, 2, "manual", split_points=("dec",))
+    # The tied parameter is owned once: by the first node that uses it.
+    assert graph.by_name["tie"].params == ("tie.weight", "tie.bias")
+    assert graph.by_name["untie"].params == ("untie.bias",)
+
+
+def test_new_models_refuse_token_data():
+    text = load_dataset(DataConfig(dataset="text", num_samples=40), seed=0)
+    for name in ("towers", "deep-mlp"):
+        with pytest.raises(ConfigError, match=f"model '{name}' needs dense float inputs"):
+            _model(name, text)
+
+
+def _naive_range(graph, costs, lo: int, hi: int) -> tuple[float, int, int, int, int]:
+    """measure(lo, hi) from sets, the definition the incremental sweep must equal."""
+    inside = [n for n in graph.nodes if lo <= costs.pos[n.name] < hi]
+    names = {n.name for n in inside}
+    received = [graph.by_name[i] for i in sorted({i for n in inside for i in n.inputs if i not in names})]
+    sent = [n for n in inside if any(u not in names for u in costs.users[n.name])]
+    crossing = received + sent
+    params = sum(n.param_bytes for n in inside)
+    memory = 3 * params + sum(n.out_bytes for n in inside if n.op != "get_attr") + sum(v.out_bytes for v in received)
+    comm = sum(1 + v.out_grad for v in crossing) * 1e-4 + sum(v.out_bytes * (1 + v.out_grad) for v in crossing) / 1e8
+    seconds = sum(n.forward_s + n.backward_s for n in inside) + comm
+    return seconds, memory, params, sum(v.out_bytes for v in received), sum(v.out_bytes for v in sent)
+
+
+@pytest.mark.parametrize("name", ("towers", "cnn"))
+def test_incremental_range_costs_equal_their_definition(digits, name):
+    from plexus.parallel.partition import _Costs
+    graph = trace_model(_model(name, digits), _batch(digits)[0], profile=True, repeats=1)
+    costs = _Costs(graph, optimizer_slots=1, bandwidth=1e8, latency=1e-4)
+    n = len(graph.compute)
+    for lo in range(n):
+        for hi, figures in enumerate(costs.sweep(lo), lo + 1):
+            expected = _naive_range(graph, costs, lo, hi)
+            assert figures[1:] == expected[1:] and figures[0] == pytest.approx(expected[0], rel=1e-12), (lo, hi)
+
+
+class _Detached(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(4, 3), nn.Linear(4, 3)
+
+    def forward(self, x):
+        a = self.l1(x)
+        return self.l2(x) + a.detach()
+
+
+def test_a_received_value_the_stage_does_not_differentiate_sends_zeros_back():
+    """l1's output needs a gradient when it leaves stage 0, but stage 1 detaches it: the
+    gradient message the plan counts still goes back, as zeros."""
+    torch.manual_seed(0)
+    model, x = _Detached(), torch.randn(5, 4)
+    graph = trace_model(model, x)
+    plan = plan_partitions(graph, 2, "manual", split_points=("l2",))
+    assert [(t.producer, t.grad) for t in plan.transfers] == [("x", False), ("l1", True)]
+    traffic: dict = {}
+    stages = build_stages(graph, plan)
+    forward_backward(stages, {"x": x}, lambda o: o.square().sum(), traffic)
+    assert traffic == plan.traffic() == {(0, 1): (2, 5 * 4 * 4 + 5 * 3 * 4), (1, 0): (1, 5 * 3 * 4)}
+    grads = _stage_params(stages)
+    assert torch.count_nonzero(grads["l1.weight"].grad) == 0 and torch.count_nonzero(grads["l2.weight"].grad) > 0
+    whole = copy.deepcopy(model)
+    whole(x).square().sum().backward()
+    assert whole.l1.weight.grad is None
+    torch.testing.assert_close(grads["l2.weight"].grad, whole.l2.weight.grad, rtol=1e-5, atol=0)
+
+
+class _Chunks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 6)
+
+    def forward(self, x):
+        a, b = torch.chunk(self.lin(x), 2, dim=1)
+        return a * b
+
+
+def test_a_value_that_is_not_one_tensor_cannot_cross_a_cut():
+    graph = trace_model(_Chunks(), torch.randn(3, 4))
+    names = [n.name for n in graph.compute]
+    assert names == ["lin", "chunk", "getitem", "getitem_1", "mul"]
+    with pytest.raises(ConfigError,
+                       match="value chunk .* would cross from stage 0 to stage 1, but it is not one tensor"):
+        plan_partitions(graph, 2, "manual", split_points=("getitem",))
+    plan = plan_partitions(graph, 2, "manual", split_points=("chunk",))
+    assert [(t.producer, t.shape, t.dtype) for t in plan.transfers] == [("lin", (3, 6), "float32")]
+
+
+def test_transfers_know_which_dimension_is_the_batch(digits):
+    model = _model("cnn", digits)
+    x, _ = _batch(digits)
+    graph = trace_model(model, x)
+    plan = plan_partitions(graph, 2, "manual", split_points=("net.4",))
+    (t,) = plan.transfers
+    assert t.producer == "net_3" and t.batch_dim == 0 and t.shape[0] == BATCH
+    assert t.shape_for(3) == (3, *t.shape[1:])
+    assert t.nbytes == BATCH * t.shape[1] * t.shape[2] * t.shape[3] * 4
+
+    class Scale(nn.Module):  # a value with no batch dimension crosses the cut
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            s = self.lin(x).mean(0)
+            return x * s
+
+    graph = trace_model(Scale(), torch.randn(5, 4))
+    plan = plan_partitions(graph, 2, "manual", split_points=("mul",))
+    sent = {t.producer: t for t in plan.transfers}
+    assert sent["mean"].batch_dim is None and sent["mean"].shape_for(7) == (4,)
+    assert sent["x"].batch_dim == 0 and sent["x"].shape_for(7) == (7, 4)
+
+
+def test_tracing_leaves_batch_norm_statistics_and_the_generator_alone():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Dropout(0.5), nn.Linear(6, 2))
+    before, x = copy.deepcopy(model.state_dict()), torch.randn(8, 4)
+    state = torch.get_rng_state()
+    graph = trace_model(model, x, profile=True, repeats=1)
+    assert torch.equal(torch.get_rng_state(), state)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    assert "1.running_mean" in merge_state_dicts(
+        s.module.state_dict() for s in build_stages(graph, plan_partitions(graph, 2, "uniform")))
