@@ -31,6 +31,8 @@ ROWS = [
     ("ps asp", {"strategy": "ps", "servers": 2}, "server 1", {"kill": "server:1@step=100"}),
     ("ps asp --replication 1", {"strategy": "ps", "servers": 2, "replication": 1}, "server 1",
      {"kill": "server:1@step=100"}),
+    ("ps asp --replication 1", {"strategy": "ps", "servers": 3, "replication": 1},
+     "primary and replica (servers 0, 1)", {"kill": "server:0@step=100,server:1@step=100"}),
     ("ps asp --replication 2", {"strategy": "ps", "servers": 3, "replication": 2},
      "primary and replica (servers 0, 1)", {"kill": "server:0@step=100,server:1@step=100"}),
     ("ps bsp", {"strategy": "ps", "servers": 2, "consistency": "bsp"}, "worker 1", {"kill": "worker:1@step=100"}),
@@ -57,17 +59,22 @@ def _lost(s: dict) -> str:
     return ", ".join(names) or "none"
 
 
+def _moved(s: dict) -> str:
+    """tree-ps: the children of a dead aggregator, re-attached (node to its new parent)."""
+    return ", ".join(f"{e['node']} to {e['to']}" for e in s.get("reattached") or []) or "-"
+
+
 def main() -> None:
-    print("| strategy | process killed | outcome | lost | final accuracy |")
-    print("|---|---|---|---|---|")
+    print("| strategy | process killed | outcome | lost | re-attached | final accuracy |")
+    print("|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as scratch:
         for i, (strategy, flags, fault, kill) in enumerate(ROWS):
             try:
                 s = plexus.run({**BASE, **flags, **kill, "out": str(Path(scratch) / str(i))})
             except JobFailed as exc:
-                print(f"| {strategy} | {fault} | fails: {str(exc).split(';')[0]} | | |", flush=True)
+                print(f"| {strategy} | {fault} | fails: {str(exc).split(';')[0]} | | | |", flush=True)
                 continue
-            print(f"| {strategy} | {fault} | continues | {_lost(s)} | {100 * s['final_test_accuracy']:.2f} % |",
+            print(f"| {strategy} | {fault} | continues | {_lost(s)} | {_moved(s)} | {100 * s['final_test_accuracy']:.2f} % |",
                   flush=True)
 
 

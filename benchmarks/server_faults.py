@@ -55,10 +55,13 @@ def _row(out: Path, consistency: str, fault: str, calm: float | None) -> tuple[s
         s = plexus.run(flags)
     except JobFailed as exc:
         return f"| {consistency} | {fault} | failed: {exc} | | | | | | |", None
-    lost = [f"server {r}" for r in s.get("lost_servers", [])] + [f"worker {r}" for r in s["lost_workers"]]
+    lost = [f"{role} {r}" for role in ("server", "aggregator", "worker") for r in s.get(f"lost_{role}s", [])]
     recoveries = s.get("recoveries", [])
     takeover = ", ".join(f"shard {r['shard']}: {1000 * r['takeover_seconds']:.1f} / "
-                         f"{1000 * r['first_update_seconds']:.0f} ms" for r in recoveries) or "-"
+                         f"{1000 * r['first_update_seconds']:.0f} ms" for r in recoveries)
+    # tree-ps: a dead aggregator's children re-attach (node, new parent, seconds it took).
+    takeover = takeover or ", ".join(f"{e['node']} re-attached to {e['to']} in {1000 * e['seconds']:.0f} ms"
+                                     for e in s.get("reattached") or []) or "-"
     moves = ", ".join(f"shard {m['shard']} to server {m['to']}: {1000 * m['copy_seconds']:.0f} / "
                       f"{1000 * m['switch_seconds']:.0f} ms" for m in s.get("migrations", [])) or "-"
     acc = s["final_test_accuracy"]

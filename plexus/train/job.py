@@ -193,7 +193,11 @@ def run_local(cfg: JobConfig, poll: Callable[[Path, StartupProbe], None] | None 
             what = f"{first} exited with status {status}"
         failed = JobFailed(f"the job failed ({what}); see the messages above", exit_code=status)
     elif len(lost.get("worker", [])) == cfg.cluster.workers:
-        failed = JobFailed(f"every worker was lost ({cfg.cluster.workers} of {cfg.cluster.workers}); "
+        # Name the other processes that died first (a shard's primary and its replicas, say).
+        others = sorted((f"{role} {r}" for role, ranks in lost.items() if role != "worker" for r in ranks),
+                        key=lambda name: _exit_time(_job_store(store, token), name))
+        after = f" after {', '.join(others)} died" if others else ""
+        failed = JobFailed(f"every worker was lost ({cfg.cluster.workers} of {cfg.cluster.workers}){after}; "
                            f"nothing is left to finish the job", exit_code=1)
     if failed is not None:
         _summarise_failure(cfg, run_dir, _job_store(store, token), lost)
