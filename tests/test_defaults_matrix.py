@@ -46,12 +46,19 @@ def reference(tmp_path_factory):
 # 800 steps amplify (65-68 % on mnist1d against its 66 %, docs/results/defaults-matrix.md).
 # Their rows are in `plexus bench defaults`, not here.
 LABELS = [label for label in MATRIX if MATRIX[label]["strategy"] != "allreduce"]
+# tree-ps adv-star under asp (7 processes, and staleness that grows with CPU contention)
+# once ended at 0.84x on mnist1d, mean of both seeds, when CI ran it beside two other rows
+# of 7 processes each on 2 cores (44 s for what takes 8 s alone); without them, three
+# seeds run beside each other reached 65.6-67.6 %, against allreduce's 67.8 % (mean of
+# seeds 0 and 1). It runs in the serial stage of
+# ``make test``, where what it measures is its defaults, not the machine's load.
+SERIAL = {"tree-ps --variant adv-star --consistency asp"}
 
 
 @pytest.mark.slow
-@pytest.mark.parallel
 @pytest.mark.parametrize("dataset", list(STEPS))
-@pytest.mark.parametrize("label", LABELS)
+@pytest.mark.parametrize("label", [pytest.param(label, marks=() if label in SERIAL else pytest.mark.parallel)
+                                   for label in LABELS])
 def test_learns_with_its_defaults(label, dataset, reference, tmp_path):
     seed = 0
     summary = train_one(dataset, label, str(tmp_path / "0"), steps=STEPS[dataset])
