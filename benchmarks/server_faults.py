@@ -62,8 +62,12 @@ def _row(out: Path, consistency: str, fault: str, calm: float | None) -> tuple[s
     # tree-ps: a dead aggregator's children re-attach (node, new parent, seconds it took).
     takeover = takeover or ", ".join(f"{e['node']} re-attached to {e['to']} in {1000 * e['seconds']:.0f} ms"
                                      for e in s.get("reattached") or []) or "-"
+    # A worker's mean step beside the switch: the pause it can see should stay under two.
+    timed = [(t, n) for t, n in zip(s["step_seconds_per_worker"], s["steps_per_worker"]) if t is not None]
+    step = sum(t for t, _ in timed) / max(sum(n for _, n in timed), 1)
     moves = ", ".join(f"shard {m['shard']} to server {m['to']}: {1000 * m['copy_seconds']:.0f} / "
-                      f"{1000 * m['switch_seconds']:.0f} ms" for m in s.get("migrations", [])) or "-"
+                      f"{1000 * m['switch_seconds']:.0f} ms (a step: {1000 * step:.0f} ms)"
+                      for m in s.get("migrations", [])) or "-"
     acc = s["final_test_accuracy"]
     same = f"{100 * acc:.2f} % ({100 * calm:.2f} %)" if calm is not None else f"{100 * acc:.2f} %"
     verdict = s["ledger_verdict"].split(":")[0]

@@ -819,11 +819,14 @@ class ParameterServer:
             self.moved_to = target
             self.migration = {"shard": self.index, "from": self.host, "to": target, "copy_seconds": copied - start,
                               "switch_seconds": time.time() - copied, "version": self.version}
-            self.drained = True
-            self.cond.notify_all()
-        # The shard's last server reports every move it made (``record``).
+        # The shard's last server reports every move it made (``record``). Written before
+        # ``drained``: once drained, ``serve`` returns and ``record`` reads these keys on
+        # the same store client, whose blocking get would hold this set back until timeout.
         n = self.store.add(KEYS.migrations(self.index), 1)
         self.store.set(KEYS.migration(self.index, n - 1), json.dumps(self.migration))
+        with self.cond:
+            self.drained = True
+            self.cond.notify_all()
         logger.warning("%s: shard %d moved to server %d at version %d", self.me, self.index, target, self.version)
 
     def _drain_target(self) -> int | None:
