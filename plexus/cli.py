@@ -412,7 +412,6 @@ def _train(args: argparse.Namespace) -> int:
     if getattr(args, "print_partition", False):
         _print_partition(cfg)
         return 0
-    _refuse_stages(cfg)
     launcher = getattr(args, "launcher", "local")
     if launcher != "ray":
         for key in LAUNCHER_KEYS[1:]:
@@ -450,7 +449,8 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _refuse_stages(cfg) -> None:
-    """--stages K > 1 plans a cut (--print-partition) but nothing runs a cut model yet."""
+    """--stages K > 1 plans a cut (--print-partition) and plexus train runs it
+    (parallel/executor.py); compare and simulate do not run a cut model yet."""
     from plexus.errors import ConfigError
     if cfg.parallel.stages > 1:
         raise ConfigError(f"--stages {cfg.parallel.stages}: the partitioned executor does not run yet; pass "

@@ -51,6 +51,8 @@ def validate(cfg: JobConfig):
     preflight.check_applies(cfg)
     preflight.check_roles(cfg)
     strategy_class(cfg.strategy.strategy).check_config(cfg)
+    from plexus.parallel.executor import check_stages
+    check_stages(cfg)
     get_algorithm(cfg.strategy.algorithm, cfg.strategy)
     data = load_dataset(cfg.data, cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
@@ -353,6 +355,9 @@ def run_torchrun(cfg: JobConfig) -> dict[str, Any] | None:
     import dataclasses
     from plexus.train.plan import Slot, plan_for_world
     from plexus.train.preflight import check_applies
+    if cfg.parallel.stages > 1:
+        raise ConfigError(f"--stages {cfg.parallel.stages} under torchrun is not supported yet: run plexus train "
+                          f"--stages {cfg.parallel.stages} with the local launcher")
     info = ProcessInfo.from_env()
     gloo_interface_towards(info.master_addr)  # before any link is made
     global_rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -1,0 +1,362 @@
+"""The partitioned executor: ONE replica's model cut into K stages, one process each.
+
+``plexus train --stages K`` starts K processes of role ``stage``. Each builds the model
+from the seed exactly as a one-process run does, traces it on the same sample and makes
+the same plan (``partition.py`` is deterministic for uniform, params and manual), keeps
+its own ``StageProgram`` and an optimizer over its own parameters, and loops over steps:
+
+- forward as dataflow: a stage posts a receive for every transfer into it at once (on
+  the links to each producer, in any order of arrival), waits for them, runs, and sends
+  each value it produces once per consuming stage (``Transfer``);
+- backward in reverse: the gradients of what it sent come back over the same links, it
+  runs backward and sends back the gradients of what it received; then its optimizer
+  steps. Synchronous SGD of one replica, so K stages train exactly as one process with
+  the same global batch (contract 1), up to float rounding.
+
+One link per pair of stages joined by a cut edge, so each link's counters are one edge's
+traffic in each direction: the summary sets them beside ``PartitionPlan.traffic()`` for
+the run's steps (``traffic_matches_plan``). At the end the output stage gathers every
+stage's state_dict as tensors over links (counted apart from the edges' traffic), merges
+them (``merge_state_dicts``), evaluates the whole model and writes the replica's record
+(``stats/worker/0``), so the run directory is that of any run.
+
+Not yet: replicas (``--workers`` > 1), other strategies, ``--partition time`` (its
+profile differs per process; it would have to be made once and shared), periodic
+snapshots (the final model is evaluated), time limits and target accuracy (the stages
+would have to agree when to stop), checkpoints, micro-batches.
+"""
+from __future__ import annotations
+
+import logging
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from plexus.cluster.group import Link, Work
+from plexus.cluster.rendezvous import ProcessInfo, store_barrier, store_get_json, store_set_json, wait_keys
+from plexus.cluster.traffic import Traffic
+from plexus.config import JobConfig
+from plexus.errors import ConfigError, PlexusError
+from plexus.parallel.partition import ModelGraph, PartitionPlan, plan_partitions, trace_model
+from plexus.parallel.stages import StageProgram, StageStep, build_stages, merge_state_dicts
+
+__all__ = ["check_stages", "make_plan", "stage_main", "stage_summary"]
+
+logger = logging.getLogger(__name__)
+
+# Tags on a link: forward value of transfer i is 2i, its gradient 2i + 1; the gather of
+# state at the end uses tags from GATHER_TAG on.
+GATHER_TAG = 1 << 20
+
+
+def check_stages(cfg: JobConfig) -> None:
+    """Refuse, before anything starts, what the partitioned executor cannot run yet."""
+    k = cfg.parallel.stages
+    if k <= 1:
+        return
+    if cfg.cluster.workers != 1:
+        raise ConfigError(f"--stages {k} with --workers {cfg.cluster.workers}: replicas x stages is not supported "
+                          f"yet; pass --workers 1 to train one replica cut into {k} stages")
+    if cfg.strategy.strategy != "allreduce" or cfg.strategy.elastic:
+        raise ConfigError(f"--stages {k} runs one replica by synchronous SGD; strategy "
+                          f"{cfg.strategy.strategy}{' --elastic' if cfg.strategy.elastic else ''} over stages is not "
+                          f"supported yet: pass --strategy allreduce (the default)")
+    if cfg.parallel.partition == "time":
+        raise ConfigError(f"--stages {k} --partition time is not supported yet (each stage would profile the model "
+                          f"on its own and could cut it differently): pass --partition params, uniform or manual")
+    for key, value, flag in (("time_limit", cfg.run.time_limit, "--time-limit"),
+                             ("target_accuracy", cfg.run.target_accuracy, "--target-accuracy"),
+                             ("checkpoint_every", cfg.run.checkpoint_every, "--checkpoint-every"),
+                             ("resume", cfg.run.resume, "--resume")):
+        if value:
+            raise ConfigError(f"{flag} with --stages {k} is not supported yet (the stages would have to agree "
+                              f"when to stop or what to save): pass --steps or --epochs, or drop {flag}")
+    if cfg.cluster.kill or cfg.cluster.slow:
+        raise ConfigError(f"--kill and --slow name workers, and --stages {k} runs stages: drop them")
+
+
+def make_plan(cfg: JobConfig, model: torch.nn.Module, sample: torch.Tensor) -> tuple[ModelGraph, PartitionPlan]:
+    """The traced graph and the plan every stage computes alike (deterministic methods)."""
+    graph = trace_model(model, sample)
+    optim = cfg.optim
+    slots = {"adam": 2, "adagrad": 1}.get(optim.optimizer, 1 if optim.momentum > 0 else 0)
+    plan = plan_partitions(graph, cfg.parallel.stages, cfg.parallel.partition,
+                           split_points=cfg.parallel.split_point_names, memory_cap=cfg.parallel.stage_memory_bytes,
+                           optimizer_slots=slots, bandwidth=cfg.cluster.net.bandwidth, latency=cfg.cluster.net.latency)
+    return graph, plan
+
+
+def _name(k: int) -> str:
+    return f"stage {k}"
+
+
+def _peak_bytes(device: torch.device) -> int:
+    """Peak memory of this process: torch's allocator on CUDA; on CPU the resident set's
+    high-water mark (ru_maxrss, KiB on Linux), which includes the interpreter and torch
+    and, in a forked child, what the parent held at the fork."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+class _Stage:
+    """This process's stage: its program, links to the stages it exchanges values with,
+    its optimizer, and the seconds it spent computing and waiting."""
+
+    def __init__(self, cfg: JobConfig, program: StageProgram, plan: PartitionPlan, store, device, backend: str,
+                 traffic: Traffic) -> None:
+        from plexus.strategies.base import make_optimizer
+        self.cfg, self.program, self.plan, self.device = cfg, program, plan, device
+        self.batch = cfg.run.batch_size
+        self.k = program.index
+        self.step_runner = StageStep(program)
+        self.index = {t: i for i, t in enumerate(plan.transfers)}
+        peers = sorted({t.dst for t in program.sends} | {t.src for t in program.receives})
+        self.links: dict[int, Link] = {}
+        # Every stage opens its links in one global order of pairs (lower stage first), from
+        # this thread: no two stages wait on each other (ARCHITECTURE.md section 8).
+        for peer in peers:
+            self.links[peer] = Link(store, _name(self.k), _name(peer), traffic=traffic,
+                                    timeout=cfg.cluster.timeout, backend=backend, net=cfg.cluster.net,
+                                    transport=cfg.cluster.transport)
+        params = list(program.module.parameters())
+        self.optimizer = make_optimizer(params, cfg.optim) if params else None
+        self.compute_s = self.idle_s = 0.0
+        self._sends: list[Work] = []
+
+    def _recv_all(self, wanted: list[tuple[int, int, torch.Tensor]]) -> None:
+        """Post every receive (peer, tag, buffer) at once, then wait for them all: the
+        stage runs when its last input arrives, whatever the order."""
+        start = time.perf_counter()
+        works = [self.links[peer].irecv(buf, self.links[peer].peer_index, tag) for peer, tag, buf in wanted]
+        for work in works:
+            work.wait()
+        self.idle_s += time.perf_counter() - start
+
+    def _send(self, peer: int, tag: int, value: torch.Tensor) -> None:
+        value = value.detach().contiguous()
+        self._sends.append(self.links[peer].isend(value, self.links[peer].peer_index, tag))
+
+    def step(self, x: torch.Tensor | None, y: torch.Tensor | None, inputs: dict[str, torch.Tensor]
+             ) -> float | None:
+        """One synchronous step of this stage; returns the loss on the output stage."""
+        p = self.program
+        received: dict[str, torch.Tensor] = {}
+        wanted = []
+        for t in p.receives:
+            buf = torch.empty(t.shape_for(self.batch), dtype=getattr(torch, t.dtype), device=self.device)
+            received[t.producer] = buf
+            wanted.append((t.src, 2 * self.index[t], buf))
+        self._recv_all(wanted)
+        start = time.perf_counter()
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        values = self.step_runner.forward(received, inputs)
+        for t in p.sends:
+            self._send(t.dst, 2 * self.index[t], values[t.producer])
+        loss = None
+        if p.output is not None:
+            out = values[p.output]
+            loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+        self.compute_s += time.perf_counter() - start
+        grads, wanted = [], []
+        for t in p.sends:
+            if t.grad:
+                buf = torch.empty_like(values[t.producer])
+                grads.append((t.producer, buf))
+                wanted.append((t.dst, 2 * self.index[t] + 1, buf))
+        self._recv_all(wanted)
+        start = time.perf_counter()
+        back = self.step_runner.backward(grads, loss)
+        for t in p.receives:
+            if t.grad:
+                self._send(t.src, 2 * self.index[t] + 1, back[t.producer])
+        if self.optimizer is not None:
+            self.optimizer.step()
+        self.compute_s += time.perf_counter() - start
+        start = time.perf_counter()
+        for work in self._sends:
+            work.wait()
+        self._sends = []
+        self.idle_s += time.perf_counter() - start
+        return None if loss is None else loss.item()
+
+    def edge_counts(self, traffic: Traffic) -> dict[str, Any]:
+        """Measured per cut edge from this stage's link counters (before any gather)."""
+        snap = traffic.snapshot()
+        sent, recv = {}, {}
+        for peer in self.links:
+            row = snap.get(_name(peer), {"bytes_sent": 0, "bytes_recv": 0, "msgs_sent": 0, "msgs_recv": 0})
+            sent[str(peer)] = [row["msgs_sent"], row["bytes_sent"]]
+            recv[str(peer)] = [row["msgs_recv"], row["bytes_recv"]]
+        return {"sent": sent, "received": recv}
+
+    def close(self) -> None:
+        for link in self.links.values():
+            link.close()
+
+
+def _gather(cfg: JobConfig, store, k: int, gatherer: int, programs: list[StageProgram], own: _Stage,
+            backend: str) -> dict[str, torch.Tensor] | None:
+    """Every stage's state_dict, merged, on ``gatherer`` (None elsewhere): tensors over
+    links, in each program's state_dict order, never pickle. Links to the gatherer that
+    carry no cut edge are opened now, in stage order; their bytes are not an edge's."""
+    spare = Traffic()
+
+    def link_to(peer: int) -> Link:
+        if peer in own.links:
+            return own.links[peer]
+        return Link(store, _name(k), _name(peer), traffic=spare, timeout=cfg.cluster.timeout, backend=backend,
+                    transport=cfg.cluster.transport)
+
+    if k != gatherer:
+        link = link_to(gatherer)
+        for i, value in enumerate(programs[k].module.state_dict().values()):
+            link.send_to_peer(value.detach().contiguous(), GATHER_TAG + i)
+        return None
+    states = []
+    for j, program in enumerate(programs):
+        if j == k:
+            states.append({key: v.detach().clone() for key, v in own.program.module.state_dict().items()})
+            continue
+        link = link_to(j)
+        state = {}
+        for i, (key, like) in enumerate(program.module.state_dict().items()):
+            buf = torch.empty_like(like)
+            link.recv_from_peer(buf, GATHER_TAG + i)
+            state[key] = buf
+        states.append(state)
+    return merge_state_dicts(states)
+
+
+def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, data=None) -> None:
+    """Run stage ``info.rank`` of the job's one replica (role ``stage``)."""
+    from plexus.train.batches import GlobalBatches
+    from plexus.train.data import load_dataset
+    from plexus.train.evaluation import evaluate
+    from plexus.train.metrics import MetricsLog
+    from plexus.train.models import build_model
+    from plexus.train.progress import STEPS_KEY
+    from plexus.train.runner import resolve_device, total_steps
+    if cfg.cluster.threads:
+        torch.set_num_threads(cfg.cluster.threads)
+    k, stages = info.rank, cfg.parallel.stages
+    device, backend = resolve_device(cfg, info.local_rank)
+    data = data if data is not None else load_dataset(cfg.data, cfg.run.seed)
+    torch.manual_seed(cfg.run.seed)
+    model = build_model(cfg.model, data)  # the same initial model as a one-process run
+    if cfg.model.dtype == "float64":
+        data, model = data.to_dtype(torch.float64), model.double()
+    batch = cfg.run.batch_size
+    graph, plan = make_plan(cfg, model, data.x_train[:batch])
+    programs = build_stages(graph, plan)
+    program = programs[k]
+    program.module.to(device)
+    placeholders = [n.name for n in graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != 1:
+        raise ConfigError(f"--stages runs models with one input; {cfg.model.model} takes {len(placeholders)}")
+    gatherer = plan.output_stage
+    traffic = Traffic()
+    own = _Stage(cfg, program, plan, store, device, backend, traffic)
+    batches = GlobalBatches(len(data.x_train), batch, cfg.run.seed)
+    limit = total_steps(cfg, batches.steps_per_epoch)
+    holds_input = bool(program.model_inputs)
+    log = MetricsLog(run_dir if k == gatherer else None)
+    try:
+        if k == 0:
+            store.set(STEPS_KEY, str(limit))
+        store_barrier(store, "stages/ready", stages, cfg.cluster.timeout)
+        if k == 0:
+            store.set("train/t0", repr(time.time()))
+        wait_keys(store, ["train/t0"], cfg.cluster.timeout, "stage 0's start time")
+        t0 = float(store.get("train/t0").decode())
+        loss = float("nan")
+        steps_done = 0
+        for step in range(limit):
+            idx = batches.indices(step)
+            x = data.x_train[idx].to(device) if holds_input else None
+            y = data.y_train[idx].to(device) if program.output is not None else None
+            out = own.step(x, y, {placeholders[0]: x} if x is not None else {})
+            steps_done = step + 1
+            if out is not None:
+                loss = out
+                if not torch.isfinite(torch.tensor(loss)):
+                    raise PlexusError(f"stage {k}: the training loss became {loss} at step {step}")
+                if steps_done % cfg.run.log_every == 0 or steps_done == limit:
+                    log.log("train", time=time.time() - t0, worker=0, step=steps_done, loss=loss,
+                            samples=steps_done * batch, worker_samples=steps_done * batch,
+                            bytes_sent=traffic.bytes_sent, bytes_recv=traffic.bytes_recv)
+        wall = time.time() - t0
+        predicted = {f"{s}->{d}": [m * steps_done, b * steps_done] for (s, d), (m, b) in plan.traffic().items()
+                     if k in (s, d)}
+        record = {"stage": k, "steps": steps_done, "wall_seconds": wall, "compute_seconds": own.compute_s,
+                  "idle_seconds": own.idle_s, "peak_memory_bytes": _peak_bytes(device),
+                  "peak_memory_measure": "cuda allocator" if device.type == "cuda" else "ru_maxrss",
+                  "params": sum(p.numel() for p in program.module.parameters()),
+                  "bytes_sent": traffic.bytes_sent, "bytes_recv": traffic.bytes_recv,
+                  **own.edge_counts(traffic), "predicted": predicted}
+        store_set_json(store, f"stats/stage/{k}", record)
+        merged = _gather(cfg, store, k, gatherer, programs, own, backend)
+        if merged is not None:
+            torch.manual_seed(cfg.run.seed)
+            final = build_model(cfg.model, data).to(device)
+            if cfg.model.dtype == "float64":
+                final = final.double()
+            final.load_state_dict(merged)
+            final_loss, final_acc = evaluate(final, data.x_test, data.y_test, device)
+            if run_dir is not None and cfg.run.save_model:
+                torch.save(final.state_dict(), run_dir / "model.pt")
+            log.log("eval", time=wall, step=steps_done, samples=steps_done * batch, test_accuracy=final_acc,
+                    test_loss=final_loss, model="global")
+            classes = data.num_classes if data.task == "classification" else None
+            store_set_json(store, "stats/eval", {
+                "final_test_accuracy": final_acc, "final_test_loss": final_loss, "steps": steps_done,
+                "wall_seconds": wall, "time_to_target": None, "evaluations": 1, "skipped": 0,
+                "replica_test_accuracy": None, "replica_test_loss": None,
+                "chance_accuracy": 1 / classes if classes else None})
+            wait_keys(store, [f"stats/stage/{j}" for j in range(stages)], cfg.cluster.timeout,
+                      "every stage's final record")
+            recs = [store_get_json(store, f"stats/stage/{j}") for j in range(stages)]
+            # The replica's record, as a worker's: what summary.py reads for any run.
+            store_set_json(store, "stats/worker/0", {
+                "steps": steps_done, "wall_seconds": wall, "bytes_sent": sum(r["bytes_sent"] for r in recs),
+                "bytes_recv": sum(r["bytes_recv"] for r in recs), "traffic": {}, "loss": loss, "slept": 0.0,
+                "diverging": False, "health": "ok", "health_step": None,
+                "compute_seconds": sum(r["compute_seconds"] for r in recs), "step_seconds": wall})
+        store_barrier(store, "stages/done", stages, cfg.cluster.timeout)
+    finally:
+        log.close()
+        own.close()
+
+
+def stage_summary(records: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """The summary's per-stage figures and cut-edge traffic, measured beside predicted:
+    ``traffic_matches_plan`` is true when, on every edge (src, dst), the messages and
+    bytes src sent, those dst received, and the plan's prediction for the steps made are
+    all equal."""
+    edges: dict[str, dict[str, Any]] = {}
+    for k, rec in records.items():
+        for peer, (m, b) in rec["sent"].items():
+            edges.setdefault(f"{k}->{peer}", {})["sent"] = [m, b]
+        for peer, (m, b) in rec["received"].items():
+            edges.setdefault(f"{peer}->{k}", {})["received"] = [m, b]
+        for edge, mb in rec["predicted"].items():
+            edges.setdefault(edge, {})["predicted"] = mb
+    rows, ok = [], True
+    for edge in sorted(edges, key=lambda e: tuple(int(v) for v in e.split("->"))):
+        e = edges[edge]
+        src, dst = (int(v) for v in edge.split("->"))
+        sent, recv, pred = e.get("sent", [0, 0]), e.get("received", [0, 0]), e.get("predicted", [0, 0])
+        if sent == recv == pred == [0, 0]:
+            continue  # the direction of a link that carries no gradient back
+        ok = ok and sent == recv == pred
+        rows.append({"src": src, "dst": dst, "messages_sent": sent[0], "bytes_sent": sent[1],
+                     "messages_received": recv[0], "bytes_received": recv[1],
+                     "predicted_messages": pred[0], "predicted_bytes": pred[1]})
+    stages = [{key: records[k][key] for key in ("stage", "compute_seconds", "idle_seconds", "peak_memory_bytes",
+                                                "peak_memory_measure", "params", "bytes_sent", "bytes_recv")}
+              for k in sorted(records)]
+    return {"stages": stages, "stage_traffic": rows, "traffic_matches_plan": ok and bool(records)}

@@ -1,0 +1,75 @@
+"""plexus train --stages K: one replica cut into K stage processes (parallel/executor.py).
+
+The oracle is a one-process run of the same job (--workers 1, same seed and batch, plain
+SGD): K-stage synchronous training must give the same model to float32 rounding, and the
+links' per-edge counters must equal the partitioner's prediction exactly."""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import torch
+
+from plexus.train.job import run
+from test_cli import assert_usage_error
+
+BASE = dict(dataset="digits", optimizer="sgd", lr=0.05, momentum=0.0, batch_size=32, steps=20, eval_every=0,
+            save_model=True, seed=5, hidden=32, quiet=True, no_report=True)
+
+
+def _train(tmp_path, name: str, **flat) -> tuple[dict, dict[str, torch.Tensor]]:
+    summary = run({**BASE, **flat, "out": str(tmp_path / name)})
+    assert summary["status"] == "completed"
+    return summary, torch.load(tmp_path / name / "model.pt", weights_only=True)
+
+
+def assert_same_model(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for key in want:
+        rel = ((got[key] - want[key]).norm() / want[key].norm()).item()
+        assert rel < 1e-5, f"{key}: relative difference {rel:.2e}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model, stage_counts", [("mlp", (2, 3, 4)), ("towers", (2,))])
+def test_stages_equal_one_process(model, stage_counts, tmp_path):
+    one, want = _train(tmp_path, f"{model}-1", model=model, workers=1)
+    for k in stage_counts:
+        summary, got = _train(tmp_path, f"{model}-{k}", model=model, stages=k)
+        assert_same_model(got, want)
+        assert summary["processes"] == k and len(summary["stages"]) == k
+        assert summary["traffic_matches_plan"] is True
+        assert summary["final_test_accuracy"] == pytest.approx(one["final_test_accuracy"], abs=1e-9)
+        for stage in summary["stages"]:
+            assert stage["compute_seconds"] > 0 and stage["idle_seconds"] >= 0 and stage["peak_memory_bytes"] > 0
+
+
+@pytest.mark.slow
+def test_towers_fan_out_traffic_equals_plan(tmp_path):
+    """Stage 0's input goes to both towers' stages (one value, two receivers: one message
+    each), and tower 0's output skips from stage 1 to stage 2."""
+    summary, _ = _train(tmp_path, "fan", model="towers", stages=3, partition="manual",
+                        split_points="towers.0,towers.1", steps=7)
+    rows = {(r["src"], r["dst"]): r for r in summary["stage_traffic"]}
+    assert set(rows) == {(0, 1), (0, 2), (1, 2), (2, 1)}  # no gradient back to stage 0's input
+    for row in rows.values():
+        assert row["messages_sent"] == row["messages_received"] == row["predicted_messages"] == 7
+        assert row["bytes_sent"] == row["bytes_received"] == row["predicted_bytes"] > 0
+    assert rows[(0, 1)]["bytes_sent"] == rows[(0, 2)]["bytes_sent"] == 7 * 32 * 64 * 4  # digits: 64 floats
+    assert summary["traffic_matches_plan"] is True
+    written = json.loads((tmp_path / "fan" / "summary.json").read_text())
+    assert written["stage_traffic"] == summary["stage_traffic"]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--stages", "2", "--workers", "2"], "replicas x stages is not supported yet"),
+    (["--stages", "2", "--partition", "time"], "--partition time is not supported yet"),
+    (["--stages", "2", "--strategy", "gossip"], "strategy gossip over stages is not supported yet"),
+    (["--stages", "2", "--time-limit", "5"], "--time-limit with --stages 2 is not supported yet"),
+])
+def test_bad_stage_input_is_one_line_and_status_2(args, needle, capsys, tmp_path):
+    from plexus.cli import main
+    status = main(["train", "--dataset", "digits", "--out", str(tmp_path / "x"), *args])
+    err = capsys.readouterr().err
+    assert_usage_error(subprocess.CompletedProcess([], status, "", err), needle)
