@@ -28,6 +28,7 @@ would have to agree when to stop), checkpoints, micro-batches.
 from __future__ import annotations
 
 import logging
+import math
 import resource
 import time
 from pathlib import Path
@@ -36,10 +37,11 @@ from typing import Any
 import torch
 
 from plexus.cluster.group import Link, Work
+from plexus.cluster.liveness import exited_key
 from plexus.cluster.rendezvous import ProcessInfo, store_barrier, store_get_json, store_set_json, wait_keys
 from plexus.cluster.traffic import Traffic
 from plexus.config import JobConfig
-from plexus.errors import ConfigError, PlexusError
+from plexus.errors import ConfigError
 from plexus.parallel.partition import ModelGraph, PartitionPlan, plan_partitions, trace_model
 from plexus.parallel.stages import StageProgram, StageStep, build_stages, merge_state_dicts
 
@@ -240,7 +242,7 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
     from plexus.train.metrics import MetricsLog
     from plexus.train.models import build_model
     from plexus.train.progress import STEPS_KEY
-    from plexus.train.runner import resolve_device, total_steps
+    from plexus.train.runner import NonFiniteLoss, resolve_device, total_steps
     if cfg.cluster.threads:
         torch.set_num_threads(cfg.cluster.threads)
     k, stages = info.rank, cfg.parallel.stages
@@ -283,8 +285,8 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
             steps_done = step + 1
             if out is not None:
                 loss = out
-                if not torch.isfinite(torch.tensor(loss)):
-                    raise PlexusError(f"stage {k}: the training loss became {loss} at step {step}")
+                if not math.isfinite(loss):
+                    raise NonFiniteLoss(f"stage {k}: the training loss became {loss} at step {step}: lower --lr")
                 if steps_done % cfg.run.log_every == 0 or steps_done == limit:
                     log.log("train", time=time.time() - t0, worker=0, step=steps_done, loss=loss,
                             samples=steps_done * batch, worker_samples=steps_done * batch,
@@ -327,6 +329,14 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
                 "diverging": False, "health": "ok", "health_step": None,
                 "compute_seconds": sum(r["compute_seconds"] for r in recs), "step_seconds": wall})
         store_barrier(store, "stages/done", stages, cfg.cluster.timeout)
+    except BaseException:
+        # The time of this failure, so the job names the stage that failed first, not a
+        # peer that lost its link to it afterwards (job.py reads the earliest).
+        try:
+            store.compare_set(exited_key(info.name), "", repr(time.time()))
+        except RuntimeError:
+            pass
+        raise
     finally:
         log.close()
         own.close()

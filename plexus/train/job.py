@@ -56,7 +56,13 @@ def validate(cfg: JobConfig):
     get_algorithm(cfg.strategy.algorithm, cfg.strategy)
     data = load_dataset(cfg.data, cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
-    build_model(cfg.model, data)
+    model = build_model(cfg.model, data)
+    if cfg.parallel.stages > 1:  # a model that does not trace, or a plan that cannot be made
+        from plexus.parallel.executor import make_plan
+        sample = data.x_train[:cfg.run.batch_size]
+        if cfg.model.dtype == "float64":
+            model, sample = model.double(), sample.double() if sample.is_floating_point() else sample
+        make_plan(cfg, model, sample)
     # (Sandblaster's batch caps at the training set: a larger one is full-batch L-BFGS.)
     if cfg.run.batch_size > len(data.x_train) and cfg.strategy.strategy != "sandblaster":
         raise ConfigError(f"batch_size must not exceed the training set ({len(data.x_train)} samples), "
