@@ -46,6 +46,16 @@ def test_stages_equal_one_process(model, stage_counts, tmp_path):
 
 
 @pytest.mark.slow
+def test_time_partition_is_profiled_once_and_shared(tmp_path):
+    """--partition time: stage 0 profiles and the others cut where it did; the run still
+    equals one process and its traffic the (shared) plan's."""
+    _, want = _train(tmp_path, "one", model="mlp", workers=1, steps=5)
+    summary, got = _train(tmp_path, "time", model="mlp", stages=3, partition="time", steps=5)
+    assert_same_model(got, want)
+    assert summary["traffic_matches_plan"] is True and len(summary["stages"]) == 3
+
+
+@pytest.mark.slow
 def test_towers_fan_out_traffic_equals_plan(tmp_path):
     """Stage 0's input goes to both towers' stages (one value, two receivers: one message
     each), and tower 0's output skips from stage 1 to stage 2."""
@@ -64,7 +74,7 @@ def test_towers_fan_out_traffic_equals_plan(tmp_path):
 
 @pytest.mark.parametrize("args, needle", [
     (["--stages", "2", "--workers", "2"], "replicas x stages is not supported yet"),
-    (["--stages", "2", "--partition", "time"], "--partition time is not supported yet"),
+    (["--stages", "9"], "stages must lie in [1, 6]"),
     (["--stages", "2", "--strategy", "gossip"], "strategy gossip over stages is not supported yet"),
     (["--stages", "2", "--time-limit", "5"], "--time-limit with --stages 2 is not supported yet"),
 ])

@@ -20,9 +20,7 @@ stage's state_dict as tensors over links (counted apart from the edges' traffic)
 them (``merge_state_dicts``), evaluates the whole model and writes the replica's record
 (``stats/worker/0``), so the run directory is that of any run.
 
-Not yet: replicas (``--workers`` > 1), other strategies, ``--partition time`` (its
-profile differs per process; it would have to be made once and shared), periodic
-snapshots (the final model is evaluated), time limits and target accuracy (the stages
+Not yet: replicas (``--workers`` > 1), other strategies, periodic snapshots (the final model is evaluated), time limits and target accuracy (the stages
 would have to agree when to stop), checkpoints, micro-batches.
 """
 from __future__ import annotations
@@ -66,9 +64,6 @@ def check_stages(cfg: JobConfig) -> None:
         raise ConfigError(f"--stages {k} runs one replica by synchronous SGD; strategy "
                           f"{cfg.strategy.strategy}{' --elastic' if cfg.strategy.elastic else ''} over stages is not "
                           f"supported yet: pass --strategy allreduce (the default)")
-    if cfg.parallel.partition == "time":
-        raise ConfigError(f"--stages {k} --partition time is not supported yet (each stage would profile the model "
-                          f"on its own and could cut it differently): pass --partition params, uniform or manual")
     for key, value, flag in (("time_limit", cfg.run.time_limit, "--time-limit"),
                              ("target_accuracy", cfg.run.target_accuracy, "--target-accuracy"),
                              ("checkpoint_every", cfg.run.checkpoint_every, "--checkpoint-every"),
@@ -80,15 +75,39 @@ def check_stages(cfg: JobConfig) -> None:
         raise ConfigError(f"--kill and --slow name workers, and --stages {k} runs stages: drop them")
 
 
-def make_plan(cfg: JobConfig, model: torch.nn.Module, sample: torch.Tensor) -> tuple[ModelGraph, PartitionPlan]:
-    """The traced graph and the plan every stage computes alike (deterministic methods)."""
-    graph = trace_model(model, sample)
+def make_plan(cfg: JobConfig, model: torch.nn.Module, sample: torch.Tensor,
+              split_points: tuple[str, ...] | None = None) -> tuple[ModelGraph, PartitionPlan]:
+    """The traced graph and the configured plan; with ``split_points``, the plan cut at
+    those nodes instead (manual), which is how the stages share one profiled plan."""
+    profile = split_points is None and cfg.parallel.partition == "time"
+    graph = trace_model(model, sample, profile=profile)
     optim = cfg.optim
     slots = {"adam": 2, "adagrad": 1}.get(optim.optimizer, 1 if optim.momentum > 0 else 0)
-    plan = plan_partitions(graph, cfg.parallel.stages, cfg.parallel.partition,
-                           split_points=cfg.parallel.split_point_names, memory_cap=cfg.parallel.stage_memory_bytes,
-                           optimizer_slots=slots, bandwidth=cfg.cluster.net.bandwidth, latency=cfg.cluster.net.latency)
+    method = cfg.parallel.partition if split_points is None else "manual"
+    points = cfg.parallel.split_point_names if split_points is None else split_points
+    plan = plan_partitions(graph, cfg.parallel.stages, method, split_points=points,
+                           memory_cap=cfg.parallel.stage_memory_bytes, optimizer_slots=slots,
+                           bandwidth=cfg.cluster.net.bandwidth, latency=cfg.cluster.net.latency)
     return graph, plan
+
+
+# Where stage 0 leaves the cut of a profiled plan (--partition time) for the others.
+SPLIT_KEY = "stages/split_points"
+
+
+def _shared_plan(cfg: JobConfig, k: int, store, model: torch.nn.Module, sample: torch.Tensor
+                 ) -> tuple[ModelGraph, PartitionPlan]:
+    """The plan every stage runs. uniform, params and manual are deterministic, so each
+    stage makes its own. time depends on seconds measured in one process: stage 0 profiles
+    and plans, and publishes the first node of each stage after the first; every stage,
+    stage 0 too, then cuts its unprofiled trace at those nodes, so all hold one plan."""
+    if cfg.parallel.partition != "time":
+        return make_plan(cfg, model, sample)
+    if k == 0:
+        _, plan = make_plan(cfg, model, sample)
+        store_set_json(store, SPLIT_KEY, [p.compute[0] for p in plan.partitions[1:]])
+    wait_keys(store, [SPLIT_KEY], cfg.cluster.timeout, "stage 0's profiled plan")
+    return make_plan(cfg, model, sample, tuple(store_get_json(store, SPLIT_KEY)))
 
 
 def _name(k: int) -> str:
@@ -253,7 +272,7 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
     if cfg.model.dtype == "float64":
         data, model = data.to_dtype(torch.float64), model.double()
     batch = cfg.run.batch_size
-    graph, plan = make_plan(cfg, model, data.x_train[:batch])
+    graph, plan = _shared_plan(cfg, k, store, model, data.x_train[:batch])
     programs = build_stages(graph, plan)
     program = programs[k]
     program.module.to(device)
