@@ -72,11 +72,25 @@ def test_towers_fan_out_traffic_equals_plan(tmp_path):
     assert written["stage_traffic"] == summary["stage_traffic"]
 
 
+@pytest.mark.slow
+def test_snapshots_and_target_accuracy_stop_every_stage(tmp_path):
+    """Snapshots of the whole model gathered every --eval-every steps are evaluated; a
+    target accuracy reached ends every stage after the same step, well before --steps."""
+    summary = run({**BASE, "model": "mlp", "stages": 3, "lr": 0.1, "momentum": 0.9, "steps": 2000,
+                   "eval_every": 5, "log_every": 5, "target_accuracy": 0.8, "save_model": False,
+                   "out": str(tmp_path / "target")})
+    assert summary["status"] == "completed" and summary["target_reached"] is True
+    assert summary["steps"] < 2000 and summary["evaluations"] >= 2
+    assert summary["traffic_matches_plan"] is True  # (when the evaluator answers is timing: no step asserted)
+    events = [json.loads(line) for line in (tmp_path / "target" / "metrics.jsonl").read_text().splitlines()]
+    assert sum(e["event"] == "eval" for e in events) == summary["evaluations"]
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--stages", "2", "--workers", "2"], "replicas x stages is not supported yet"),
     (["--stages", "9"], "stages must lie in [1, 6]"),
     (["--stages", "2", "--strategy", "gossip"], "strategy gossip over stages is not supported yet"),
-    (["--stages", "2", "--time-limit", "5"], "--time-limit with --stages 2 is not supported yet"),
+    (["--stages", "2", "--checkpoint-every", "5"], "--checkpoint-every with --stages 2 is not supported yet"),
 ])
 def test_bad_stage_input_is_one_line_and_status_2(args, needle, capsys, tmp_path):
     from plexus.cli import main

@@ -15,13 +15,16 @@ its own ``StageProgram`` and an optimizer over its own parameters, and loops ove
 
 One link per pair of stages joined by a cut edge, so each link's counters are one edge's
 traffic in each direction: the summary sets them beside ``PartitionPlan.traffic()`` for
-the run's steps (``traffic_matches_plan``). At the end the output stage gathers every
-stage's state_dict as tensors over links (counted apart from the edges' traffic), merges
-them (``merge_state_dicts``), evaluates the whole model and writes the replica's record
+the run's steps (``traffic_matches_plan``). Every ``--eval-every`` steps and at the end,
+the output stage gathers every stage's state_dict as tensors over links of their own
+(counted apart from the edges' traffic), merges them (``merge_state_dicts``) and
+evaluates the whole model off the training path, as a worker does its snapshots; it
+also decides, every ``--log-every`` steps, whether a time limit or target accuracy ends
+the run (the others read its word in the store), and writes the replica's record
 (``stats/worker/0``), so the run directory is that of any run.
 
-Not yet: replicas (``--workers`` > 1), other strategies, periodic snapshots (the final model is evaluated), time limits and target accuracy (the stages
-would have to agree when to stop), checkpoints, micro-batches.
+Not yet: replicas (``--workers`` > 1), other strategies, checkpoints, torchrun, --kill
+and --slow of a stage, micro-batches (pipelines).
 """
 from __future__ import annotations
 
@@ -64,13 +67,10 @@ def check_stages(cfg: JobConfig) -> None:
         raise ConfigError(f"--stages {k} runs one replica by synchronous SGD; strategy "
                           f"{cfg.strategy.strategy}{' --elastic' if cfg.strategy.elastic else ''} over stages is not "
                           f"supported yet: pass --strategy allreduce (the default)")
-    for key, value, flag in (("time_limit", cfg.run.time_limit, "--time-limit"),
-                             ("target_accuracy", cfg.run.target_accuracy, "--target-accuracy"),
-                             ("checkpoint_every", cfg.run.checkpoint_every, "--checkpoint-every"),
-                             ("resume", cfg.run.resume, "--resume")):
+    for value, flag in ((cfg.run.checkpoint_every, "--checkpoint-every"), (cfg.run.resume, "--resume")):
         if value:
-            raise ConfigError(f"{flag} with --stages {k} is not supported yet (the stages would have to agree "
-                              f"when to stop or what to save): pass --steps or --epochs, or drop {flag}")
+            raise ConfigError(f"{flag} with --stages {k} is not supported yet (a checkpoint would need every "
+                              f"stage's part): drop {flag}")
     if cfg.cluster.kill or cfg.cluster.slow:
         raise ConfigError(f"--kill and --slow name workers, and --stages {k} runs stages: drop them")
 
@@ -132,17 +132,28 @@ class _Stage:
         from plexus.strategies.base import make_optimizer
         self.cfg, self.program, self.plan, self.device = cfg, program, plan, device
         self.batch = cfg.run.batch_size
-        self.k = program.index
+        self.k = k = program.index
         self.step_runner = StageStep(program)
         self.index = {t: i for i, t in enumerate(plan.transfers)}
-        peers = sorted({t.dst for t in program.sends} | {t.src for t in program.receives})
+        # One link per cut edge's pair of stages (its counters are that edge's traffic), and
+        # one from every stage to the output stage for snapshots of the model, counted apart.
+        g = plan.output_stage
+        pairs = {(min(t.src, t.dst), max(t.src, t.dst), "edge") for t in plan.transfers}
+        pairs |= {(min(j, g), max(j, g), "gather") for j in range(plan.stages) if j != g}
         self.links: dict[int, Link] = {}
-        # Every stage opens its links in one global order of pairs (lower stage first), from
-        # this thread: no two stages wait on each other (ARCHITECTURE.md section 8).
-        for peer in peers:
-            self.links[peer] = Link(store, _name(self.k), _name(peer), traffic=traffic,
-                                    timeout=cfg.cluster.timeout, backend=backend, net=cfg.cluster.net,
-                                    transport=cfg.cluster.transport)
+        self.gather_links: dict[int, Link] = {}
+        self.gather_traffic = Traffic()
+        # Every stage opens its links in one global order of pairs, from this thread: no
+        # two stages wait on each other (ARCHITECTURE.md section 8).
+        for lo, hi, kind in sorted(pairs):
+            if k not in (lo, hi):
+                continue
+            peer = hi if k == lo else lo
+            edge = kind == "edge"
+            link = Link(store, _name(k), _name(peer), traffic=traffic if edge else self.gather_traffic,
+                        timeout=cfg.cluster.timeout, backend=backend, net=cfg.cluster.net if edge else None,
+                        tag="" if edge else "gather", transport=cfg.cluster.transport)
+            (self.links if edge else self.gather_links)[peer] = link
         params = list(program.module.parameters())
         self.optimizer = make_optimizer(params, cfg.optim) if params else None
         self.compute_s = self.idle_s = 0.0
@@ -216,35 +227,25 @@ class _Stage:
         return {"sent": sent, "received": recv}
 
     def close(self) -> None:
-        for link in self.links.values():
+        for link in (*self.links.values(), *self.gather_links.values()):
             link.close()
 
 
-def _gather(cfg: JobConfig, store, k: int, gatherer: int, programs: list[StageProgram], own: _Stage,
-            backend: str) -> dict[str, torch.Tensor] | None:
-    """Every stage's state_dict, merged, on ``gatherer`` (None elsewhere): tensors over
-    links, in each program's state_dict order, never pickle. Links to the gatherer that
-    carry no cut edge are opened now, in stage order; their bytes are not an edge's."""
-    spare = Traffic()
-
-    def link_to(peer: int) -> Link:
-        if peer in own.links:
-            return own.links[peer]
-        return Link(store, _name(k), _name(peer), traffic=spare, timeout=cfg.cluster.timeout, backend=backend,
-                    transport=cfg.cluster.transport)
-
-    if k != gatherer:
-        link = link_to(gatherer)
-        for i, value in enumerate(programs[k].module.state_dict().values()):
+def _gather(own: _Stage, programs: list[StageProgram]) -> dict[str, torch.Tensor] | None:
+    """Every stage's state_dict, merged, on the output stage (None elsewhere): tensors
+    over the snapshot links, in each program's state_dict order, never pickle."""
+    g = own.plan.output_stage
+    if own.k != g:
+        link = own.gather_links[g]
+        for i, value in enumerate(own.program.module.state_dict().values()):
             link.send_to_peer(value.detach().contiguous(), GATHER_TAG + i)
         return None
     states = []
     for j, program in enumerate(programs):
-        if j == k:
+        if j == g:
             states.append({key: v.detach().clone() for key, v in own.program.module.state_dict().items()})
             continue
-        link = link_to(j)
-        state = {}
+        link, state = own.gather_links[j], {}
         for i, (key, like) in enumerate(program.module.state_dict().items()):
             buf = torch.empty_like(like)
             link.recv_from_peer(buf, GATHER_TAG + i)
@@ -254,14 +255,19 @@ def _gather(cfg: JobConfig, store, k: int, gatherer: int, programs: list[StagePr
 
 
 def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, data=None) -> None:
-    """Run stage ``info.rank`` of the job's one replica (role ``stage``)."""
+    """Run stage ``info.rank`` of the job's one replica (role ``stage``). The output stage
+    computes the loss, watches its health, evaluates snapshots of the whole model (every
+    ``--eval-every`` steps, gathered from the stages) and decides when a time limit or
+    target accuracy ends the run; it writes the replica's records for the summary."""
     from plexus.train.batches import GlobalBatches
     from plexus.train.data import load_dataset
-    from plexus.train.evaluation import evaluate
+    from plexus.train.evaluation import Evaluation, SnapshotEvaluator, evaluate
+    from plexus.train.health import Health, hint
     from plexus.train.metrics import MetricsLog
     from plexus.train.models import build_model
     from plexus.train.progress import STEPS_KEY
     from plexus.train.runner import NonFiniteLoss, resolve_device, total_steps
+    from plexus.config.defaults import is_asynchronous
     if cfg.cluster.threads:
         torch.set_num_threads(cfg.cluster.threads)
     k, stages = info.rank, cfg.parallel.stages
@@ -279,13 +285,28 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
     placeholders = [n.name for n in graph.nodes if n.op == "placeholder"]
     if len(placeholders) != 1:
         raise ConfigError(f"--stages runs models with one input; {cfg.model.model} takes {len(placeholders)}")
-    gatherer = plan.output_stage
+    g = plan.output_stage
     traffic = Traffic()
     own = _Stage(cfg, program, plan, store, device, backend, traffic)
     batches = GlobalBatches(len(data.x_train), batch, cfg.run.seed)
     limit = total_steps(cfg, batches.steps_per_epoch)
     holds_input = bool(program.model_inputs)
-    log = MetricsLog(run_dir if k == gatherer else None)
+    log = MetricsLog(run_dir if k == g else None)
+    classes = data.num_classes if data.task == "classification" else None
+    evaluator = whole = None
+    if k == g:
+        torch.manual_seed(cfg.run.seed)
+        whole = build_model(cfg.model, data).to(device)  # holds the merged snapshots
+        if cfg.model.dtype == "float64":
+            whole = whole.double()
+        on_target = None
+        if cfg.run.target_accuracy is not None:
+            own_store = store.clone()  # the evaluator's thread must not share this connection
+            on_target = lambda seconds: store_set_json(own_store, "stats/target", {"time": seconds})  # noqa: E731
+        evaluator = SnapshotEvaluator(whole, data.x_test, data.y_test, device, log, cfg.run.target_accuracy,
+                                      on_target=on_target)
+    health = Health(total_steps=limit, classes=classes)
+    must_agree = cfg.run.time_limit is not None or cfg.run.target_accuracy is not None
     try:
         if k == 0:
             store.set(STEPS_KEY, str(limit))
@@ -294,6 +315,7 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
             store.set("train/t0", repr(time.time()))
         wait_keys(store, ["train/t0"], cfg.cluster.timeout, "stage 0's start time")
         t0 = float(store.get("train/t0").decode())
+        clock = lambda: time.time() - t0  # noqa: E731
         loss = float("nan")
         steps_done = 0
         for step in range(limit):
@@ -305,12 +327,36 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
             if out is not None:
                 loss = out
                 if not math.isfinite(loss):
-                    raise NonFiniteLoss(f"stage {k}: the training loss became {loss} at step {step}: lower --lr")
+                    health.diverged(steps_done)
+                    raise NonFiniteLoss(f"stage {k}: the training loss became {loss} at step {step}: "
+                                        f"{hint('diverging', cfg.settings(), is_asynchronous(cfg.to_flat()))}")
+                changed = health.observe(steps_done, loss)
+                if changed is not None:
+                    why = None if changed == "ok" else hint(changed, cfg.settings(), False)
+                    log.log("health", time=clock(), worker=0, step=steps_done, state=changed, loss=loss, hint=why)
+                    logger.warning("stage %d: training is %s at step %d (loss %.4g)%s", k,
+                                   "learning again" if why is None else changed, steps_done, loss,
+                                   "" if why is None else f": {why}")
                 if steps_done % cfg.run.log_every == 0 or steps_done == limit:
-                    log.log("train", time=time.time() - t0, worker=0, step=steps_done, loss=loss,
+                    log.log("train", time=clock(), worker=0, step=steps_done, loss=loss,
                             samples=steps_done * batch, worker_samples=steps_done * batch,
                             bytes_sent=traffic.bytes_sent, bytes_recv=traffic.bytes_recv)
-        wall = time.time() - t0
+            if cfg.run.eval_every and steps_done % cfg.run.eval_every == 0 and steps_done < limit:
+                now = clock()
+                merged = _gather(own, programs)
+                if merged is not None:
+                    whole.load_state_dict(merged)
+                    evaluator.submit(whole, steps_done, now, steps_done * batch)
+            if must_agree and steps_done % cfg.run.log_every == 0:
+                # The output stage decides, every stage stops after the same step.
+                key = f"stages/stop/{steps_done}"
+                if k == g:
+                    over = cfg.run.time_limit is not None and clock() >= cfg.run.time_limit
+                    store.set(key, "1" if over or evaluator.reached.is_set() else "0")
+                wait_keys(store, [key], cfg.cluster.timeout, "the output stage's word on stopping")
+                if store.get(key) == b"1":
+                    break
+        wall = clock()
         predicted = {f"{s}->{d}": [m * steps_done, b * steps_done] for (s, d), (m, b) in plan.traffic().items()
                      if k in (s, d)}
         record = {"stage": k, "steps": steps_done, "wall_seconds": wall, "compute_seconds": own.compute_s,
@@ -319,23 +365,22 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
                   "params": sum(p.numel() for p in program.module.parameters()),
                   "bytes_sent": traffic.bytes_sent, "bytes_recv": traffic.bytes_recv,
                   **own.edge_counts(traffic), "predicted": predicted}
+        merged = _gather(own, programs)
+        record["snapshot_bytes_sent"] = own.gather_traffic.bytes_sent
         store_set_json(store, f"stats/stage/{k}", record)
-        merged = _gather(cfg, store, k, gatherer, programs, own, backend)
         if merged is not None:
-            torch.manual_seed(cfg.run.seed)
-            final = build_model(cfg.model, data).to(device)
-            if cfg.model.dtype == "float64":
-                final = final.double()
-            final.load_state_dict(merged)
-            final_loss, final_acc = evaluate(final, data.x_test, data.y_test, device)
+            whole.load_state_dict(merged)
+            evaluator.close()
+            final_loss, final_acc = evaluate(whole, data.x_test, data.y_test, device)
+            if not evaluator.results or evaluator.results[-1].step != steps_done:
+                evaluator.record(Evaluation(step=steps_done, time=wall, samples=steps_done * batch,
+                                            accuracy=final_acc, loss=final_loss))
             if run_dir is not None and cfg.run.save_model:
-                torch.save(final.state_dict(), run_dir / "model.pt")
-            log.log("eval", time=wall, step=steps_done, samples=steps_done * batch, test_accuracy=final_acc,
-                    test_loss=final_loss, model="global")
-            classes = data.num_classes if data.task == "classification" else None
+                torch.save(whole.state_dict(), run_dir / "model.pt")
             store_set_json(store, "stats/eval", {
                 "final_test_accuracy": final_acc, "final_test_loss": final_loss, "steps": steps_done,
-                "wall_seconds": wall, "time_to_target": None, "evaluations": 1, "skipped": 0,
+                "wall_seconds": wall, "time_to_target": evaluator.time_to_target,
+                "evaluations": len(evaluator.results), "skipped": evaluator.skipped,
                 "replica_test_accuracy": None, "replica_test_loss": None,
                 "chance_accuracy": 1 / classes if classes else None})
             wait_keys(store, [f"stats/stage/{j}" for j in range(stages)], cfg.cluster.timeout,
@@ -345,7 +390,7 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
             store_set_json(store, "stats/worker/0", {
                 "steps": steps_done, "wall_seconds": wall, "bytes_sent": sum(r["bytes_sent"] for r in recs),
                 "bytes_recv": sum(r["bytes_recv"] for r in recs), "traffic": {}, "loss": loss, "slept": 0.0,
-                "diverging": False, "health": "ok", "health_step": None,
+                "diverging": health.state == "diverging", "health": health.state, "health_step": health.step,
                 "compute_seconds": sum(r["compute_seconds"] for r in recs), "step_seconds": wall})
         store_barrier(store, "stages/done", stages, cfg.cluster.timeout)
     except BaseException:
@@ -357,6 +402,8 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
             pass
         raise
     finally:
+        if evaluator is not None:
+            evaluator.close()
         log.close()
         own.close()
 
