@@ -86,6 +86,17 @@ def test_snapshots_and_target_accuracy_stop_every_stage(tmp_path):
     assert sum(e["event"] == "eval" for e in events) == summary["evaluations"]
 
 
+@pytest.mark.slow
+def test_a_failing_stage_fails_the_job_and_is_named(tmp_path, capfd):
+    """A non-finite loss on the output stage ends the job (its peers lose their links and
+    stop too, no hang), and the job names that stage, not a peer that lost it."""
+    from plexus.errors import JobFailed
+    with pytest.raises(JobFailed, match="stage 2 exited with status 3"):
+        run({**BASE, "model": "mlp", "stages": 3, "lr": 1e6, "out": str(tmp_path / "nan")})
+    assert "the training loss became nan" in capfd.readouterr().err
+    assert json.loads((tmp_path / "nan" / "summary.json").read_text())["status"] == "failed"
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--stages", "2", "--workers", "2"], "replicas x stages is not supported yet"),
     (["--stages", "9"], "stages must lie in [1, 6]"),

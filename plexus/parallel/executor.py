@@ -409,7 +409,9 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
 
 
 def stage_summary(records: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    """The summary's per-stage figures and cut-edge traffic, measured beside predicted:
+    """The summary's per-stage figures (compute and idle seconds, peak memory, bytes over
+    the cut edges, and bytes of model snapshots sent to the output stage, which the edges
+    do not count) and cut-edge traffic, measured beside predicted:
     ``traffic_matches_plan`` is true when, on every edge (src, dst), the messages and
     bytes src sent, those dst received, and the plan's prediction for the steps made are
     all equal."""
@@ -433,6 +435,7 @@ def stage_summary(records: dict[int, dict[str, Any]]) -> dict[str, Any]:
                      "messages_received": recv[0], "bytes_received": recv[1],
                      "predicted_messages": pred[0], "predicted_bytes": pred[1]})
     stages = [{key: records[k][key] for key in ("stage", "compute_seconds", "idle_seconds", "peak_memory_bytes",
-                                                "peak_memory_measure", "params", "bytes_sent", "bytes_recv")}
+                                                "peak_memory_measure", "params", "bytes_sent", "bytes_recv",
+                                                "snapshot_bytes_sent")}
               for k in sorted(records)]
     return {"stages": stages, "stage_traffic": rows, "traffic_matches_plan": ok and bool(records)}

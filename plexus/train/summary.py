@@ -145,6 +145,7 @@ def assemble_summary(cfg: JobConfig, records: dict[str, Any], lost: dict[str, li
         stages = records.get("stage", {})
         summary.update(stage_summary(stages))
         summary["processes"] = cfg.parallel.stages
+        summary["algorithm"] = None  # one replica: nothing is all-reduced
         cpu = [rec["cpu_seconds"] for rec in stages.values() if "cpu_seconds" in rec]
         summary["cpu_seconds"] = sum(cpu) if cpu else None
         summary["cpu_seconds_by_role"] = {"stage": sum(cpu)} if cpu else {}
