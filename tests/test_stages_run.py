@@ -46,6 +46,20 @@ def test_stages_equal_one_process(model, stage_counts, tmp_path):
 
 
 @pytest.mark.slow
+def test_skip_and_transposed_values_across_cuts(tmp_path):
+    """userpkg.staged: a transposed (non-contiguous, batch in dimension 1) value crosses a
+    cut, and one value goes to two stages, its two gradients summed on the way back."""
+    flat = dict(model="userpkg.staged:make_model", steps=10)
+    _, want = _train(tmp_path, "one", workers=1, **flat)
+    summary, got = _train(tmp_path, "cut", stages=3, partition="manual", split_points="t_1,c", **flat)
+    assert_same_model(got, want)
+    rows = {(r["src"], r["dst"]): r for r in summary["stage_traffic"]}
+    assert rows[(0, 1)]["messages_sent"] == 20 and rows[(1, 0)]["messages_sent"] == 20  # relu and t, each way
+    assert rows[(0, 2)]["messages_sent"] == rows[(2, 0)]["messages_sent"] == 10
+    assert summary["traffic_matches_plan"] is True
+
+
+@pytest.mark.slow
 def test_time_partition_is_profiled_once_and_shared(tmp_path):
     """--partition time: stage 0 profiles and the others cut where it did; the run still
     equals one process and its traffic the (shared) plan's."""

@@ -50,8 +50,8 @@ __all__ = ["check_stages", "make_plan", "stage_main", "stage_summary"]
 
 logger = logging.getLogger(__name__)
 
-# Tags on a link: forward value of transfer i is 2i, its gradient 2i + 1; the gather of
-# state at the end uses tags from GATHER_TAG on.
+# Tags on an edge's link: the forward value of the plan's transfer i is 2i, its gradient
+# 2i + 1. Snapshot links carry state_dict entry i with tag GATHER_TAG + i.
 GATHER_TAG = 1 << 20
 
 
@@ -197,7 +197,8 @@ class _Stage:
         grads, wanted = [], []
         for t in p.sends:
             if t.grad:
-                buf = torch.empty_like(values[t.producer])
+                value = values[t.producer]  # (received contiguous, whatever the value's strides)
+                buf = torch.empty(value.shape, dtype=value.dtype, device=value.device)
                 grads.append((t.producer, buf))
                 wanted.append((t.dst, 2 * self.index[t] + 1, buf))
         self._recv_all(wanted)
@@ -217,7 +218,8 @@ class _Stage:
         return None if loss is None else loss.item()
 
     def edge_counts(self, traffic: Traffic) -> dict[str, Any]:
-        """Measured per cut edge from this stage's link counters (before any gather)."""
+        """Messages and bytes sent to and received from each peer over this stage's edge
+        links, {peer: [messages, bytes]} (snapshot links count apart)."""
         snap = traffic.snapshot()
         sent, recv = {}, {}
         for peer in self.links:
