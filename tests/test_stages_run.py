@@ -115,6 +115,7 @@ def test_a_failing_stage_fails_the_job_and_is_named(tmp_path, capfd):
     (["--stages", "2", "--workers", "2"], "replicas x stages is not supported yet"),
     (["--stages", "9"], "stages must lie in [1, 6]"),
     (["--stages", "2", "--strategy", "gossip"], "strategy gossip over stages is not supported yet"),
+    (["--stages", "2", "--algorithm", "ring"], "--algorithm does not apply to --stages 2"),
     (["--stages", "2", "--checkpoint-every", "5"], "--checkpoint-every with --stages 2 is not supported yet"),
 ])
 def test_bad_stage_input_is_one_line_and_status_2(args, needle, capsys, tmp_path):

@@ -67,6 +67,12 @@ def check_stages(cfg: JobConfig) -> None:
         raise ConfigError(f"--stages {k} runs one replica by synchronous SGD; strategy "
                           f"{cfg.strategy.strategy}{' --elastic' if cfg.strategy.elastic else ''} over stages is not "
                           f"supported yet: pass --strategy allreduce (the default)")
+    settings = cfg.settings()
+    for key in ("algorithm", "bucket_mb"):  # nothing is all-reduced: these would do nothing
+        if settings[key]["source"] != "default":
+            flag = "--" + key.replace("_", "-")
+            raise ConfigError(f"{flag} does not apply to --stages {k}: one replica cut into stages all-reduces "
+                              f"nothing; drop {flag}")
     for value, flag in ((cfg.run.checkpoint_every, "--checkpoint-every"), (cfg.run.resume, "--resume")):
         if value:
             raise ConfigError(f"{flag} with --stages {k} is not supported yet (a checkpoint would need every "
