@@ -1,9 +1,10 @@
 """The partitioned executor: ONE replica's model cut into K stages, one process each.
 
-``plexus train --stages K`` starts K processes of role ``stage``. Each builds the model
-from the seed exactly as a one-process run does, traces it on the same sample and makes
-the same plan (``partition.py`` is deterministic for uniform, params and manual), keeps
-its own ``StageProgram`` and an optimizer over its own parameters, and loops over steps:
+``plexus train --stages K`` starts K processes of role ``stage``, each running
+``train/stage_runner.py``. Each builds the model from the seed exactly as a one-process
+run does, traces it on the same sample and makes the same plan (``shared_plan``), keeps
+its own ``StageProgram`` and, in a ``StageExecutor``, an optimizer over its own
+parameters and its links, and loops over steps (``StageExecutor.step``):
 
 - forward as dataflow: a stage posts a receive for every transfer into it at once (on
   the links to each producer, in any order of arrival), waits for them, runs, and sends
@@ -29,24 +30,22 @@ and --slow of a stage, micro-batches (pipelines).
 from __future__ import annotations
 
 import logging
-import math
 import resource
 import time
-from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from plexus.cluster.group import Link, Work
-from plexus.cluster.liveness import exited_key
-from plexus.cluster.rendezvous import ProcessInfo, store_barrier, store_get_json, store_set_json, wait_keys
+from plexus.cluster.rendezvous import store_get_json, store_set_json, wait_keys
 from plexus.cluster.traffic import Traffic
 from plexus.config import JobConfig
 from plexus.errors import ConfigError
 from plexus.parallel.partition import ModelGraph, PartitionPlan, plan_partitions, trace_model
-from plexus.parallel.stages import StageProgram, StageStep, build_stages, merge_state_dicts
+from plexus.parallel.stages import StageProgram, StageStep, merge_state_dicts
 
-__all__ = ["check_stages", "make_plan", "stage_main", "stage_summary"]
+__all__ = ["StageExecutor", "check_stages", "gather_state", "make_plan", "peak_bytes", "shared_plan", "stage_name",
+           "stage_summary"]
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +100,7 @@ def make_plan(cfg: JobConfig, model: torch.nn.Module, sample: torch.Tensor,
 SPLIT_KEY = "stages/split_points"
 
 
-def _shared_plan(cfg: JobConfig, k: int, store, model: torch.nn.Module, sample: torch.Tensor
+def shared_plan(cfg: JobConfig, k: int, store, model: torch.nn.Module, sample: torch.Tensor
                  ) -> tuple[ModelGraph, PartitionPlan]:
     """The plan every stage runs. uniform, params and manual are deterministic, so each
     stage makes its own. time depends on seconds measured in one process: stage 0 profiles
@@ -116,11 +115,11 @@ def _shared_plan(cfg: JobConfig, k: int, store, model: torch.nn.Module, sample: 
     return make_plan(cfg, model, sample, tuple(store_get_json(store, SPLIT_KEY)))
 
 
-def _name(k: int) -> str:
+def stage_name(k: int) -> str:
     return f"stage {k}"
 
 
-def _peak_bytes(device: torch.device) -> int:
+def peak_bytes(device: torch.device) -> int:
     """Peak memory of this process: torch's allocator on CUDA; on CPU the resident set's
     high-water mark (ru_maxrss, KiB on Linux), which includes the interpreter and torch
     and, in a forked child, what the parent held at the fork."""
@@ -129,14 +128,15 @@ def _peak_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-class _Stage:
+class StageExecutor:
     """This process's stage: its program, links to the stages it exchanges values with,
     its optimizer, and the seconds it spent computing and waiting."""
 
-    def __init__(self, cfg: JobConfig, program: StageProgram, plan: PartitionPlan, store, device, backend: str,
-                 traffic: Traffic) -> None:
-        from plexus.strategies.base import make_optimizer
+    def __init__(self, cfg: JobConfig, program: StageProgram, plan: PartitionPlan, store, device: torch.device,
+                 backend: str, traffic: Traffic, optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
         self.cfg, self.program, self.plan, self.device = cfg, program, plan, device
+        self.traffic, self.loss_fn = traffic, loss_fn
         self.batch = cfg.run.batch_size
         self.k = k = program.index
         self.step_runner = StageStep(program)
@@ -156,12 +156,12 @@ class _Stage:
                 continue
             peer = hi if k == lo else lo
             edge = kind == "edge"
-            link = Link(store, _name(k), _name(peer), traffic=traffic if edge else self.gather_traffic,
+            link = Link(store, stage_name(k), stage_name(peer), traffic=traffic if edge else self.gather_traffic,
                         timeout=cfg.cluster.timeout, backend=backend, net=cfg.cluster.net if edge else None,
                         tag="" if edge else "gather", transport=cfg.cluster.transport)
             (self.links if edge else self.gather_links)[peer] = link
         params = list(program.module.parameters())
-        self.optimizer = make_optimizer(params, cfg.optim) if params else None
+        self.optimizer = optimizer(params) if params else None
         self.compute_s = self.idle_s = 0.0
         self._sends: list[Work] = []
 
@@ -198,7 +198,7 @@ class _Stage:
         loss = None
         if p.output is not None:
             out = values[p.output]
-            loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+            loss = self.loss_fn(out, y)
         self.compute_s += time.perf_counter() - start
         grads, wanted = [], []
         for t in p.sends:
@@ -223,23 +223,33 @@ class _Stage:
         self.idle_s += time.perf_counter() - start
         return None if loss is None else loss.item()
 
-    def edge_counts(self, traffic: Traffic) -> dict[str, Any]:
-        """Messages and bytes sent to and received from each peer over this stage's edge
-        links, {peer: [messages, bytes]} (snapshot links count apart)."""
-        snap = traffic.snapshot()
+    def figures(self, steps: int) -> dict[str, Any]:
+        """This stage's record for the summary (``stage_summary``): seconds computing and
+        waiting, peak memory, and the messages and bytes sent to and received from each
+        peer over its edge links, {peer: [messages, bytes]}, beside the plan's prediction
+        for ``steps`` steps ({"src->dst": [messages, bytes]}); snapshot links count apart."""
+        snap = self.traffic.snapshot()
         sent, recv = {}, {}
         for peer in self.links:
-            row = snap.get(_name(peer), {"bytes_sent": 0, "bytes_recv": 0, "msgs_sent": 0, "msgs_recv": 0})
+            row = snap.get(stage_name(peer), {"bytes_sent": 0, "bytes_recv": 0, "msgs_sent": 0, "msgs_recv": 0})
             sent[str(peer)] = [row["msgs_sent"], row["bytes_sent"]]
             recv[str(peer)] = [row["msgs_recv"], row["bytes_recv"]]
-        return {"sent": sent, "received": recv}
+        predicted = {f"{s}->{d}": [m * steps, b * steps] for (s, d), (m, b) in self.plan.traffic().items()
+                     if self.k in (s, d)}
+        return {"stage": self.k, "steps": steps, "compute_seconds": self.compute_s, "idle_seconds": self.idle_s,
+                "peak_memory_bytes": peak_bytes(self.device),
+                "peak_memory_measure": "cuda allocator" if self.device.type == "cuda" else "ru_maxrss",
+                "params": sum(p.numel() for p in self.program.module.parameters()),
+                "bytes_sent": self.traffic.bytes_sent, "bytes_recv": self.traffic.bytes_recv,
+                "snapshot_bytes_sent": self.gather_traffic.bytes_sent,
+                "sent": sent, "received": recv, "predicted": predicted}
 
     def close(self) -> None:
         for link in (*self.links.values(), *self.gather_links.values()):
             link.close()
 
 
-def _gather(own: _Stage, programs: list[StageProgram]) -> dict[str, torch.Tensor] | None:
+def gather_state(own: "StageExecutor", programs: list[StageProgram]) -> dict[str, torch.Tensor] | None:
     """Every stage's state_dict, merged, on the output stage (None elsewhere): tensors
     over the snapshot links, in each program's state_dict order, never pickle."""
     g = own.plan.output_stage
@@ -260,160 +270,6 @@ def _gather(own: _Stage, programs: list[StageProgram]) -> dict[str, torch.Tensor
             state[key] = buf
         states.append(state)
     return merge_state_dicts(states)
-
-
-def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, data=None) -> None:
-    """Run stage ``info.rank`` of the job's one replica (role ``stage``). The output stage
-    computes the loss, watches its health, evaluates snapshots of the whole model (every
-    ``--eval-every`` steps, gathered from the stages) and decides when a time limit or
-    target accuracy ends the run; it writes the replica's records for the summary."""
-    from plexus.train.batches import GlobalBatches
-    from plexus.train.data import load_dataset
-    from plexus.train.evaluation import Evaluation, SnapshotEvaluator, evaluate
-    from plexus.train.health import Health, hint
-    from plexus.train.metrics import MetricsLog
-    from plexus.train.models import build_model
-    from plexus.train.progress import STEPS_KEY
-    from plexus.train.runner import NonFiniteLoss, resolve_device, total_steps
-    from plexus.config.defaults import is_asynchronous
-    if cfg.cluster.threads:
-        torch.set_num_threads(cfg.cluster.threads)
-    k, stages = info.rank, cfg.parallel.stages
-    device, backend = resolve_device(cfg, info.local_rank)
-    data = data if data is not None else load_dataset(cfg.data, cfg.run.seed)
-    torch.manual_seed(cfg.run.seed)
-    model = build_model(cfg.model, data)  # the same initial model as a one-process run
-    if cfg.model.dtype == "float64":
-        data, model = data.to_dtype(torch.float64), model.double()
-    batch = cfg.run.batch_size
-    graph, plan = _shared_plan(cfg, k, store, model, data.x_train[:batch])
-    programs = build_stages(graph, plan)
-    program = programs[k]
-    program.module.to(device)
-    placeholders = [n.name for n in graph.nodes if n.op == "placeholder"]
-    if len(placeholders) != 1:
-        raise ConfigError(f"--stages runs models with one input; {cfg.model.model} takes {len(placeholders)}")
-    g = plan.output_stage
-    traffic = Traffic()
-    own = _Stage(cfg, program, plan, store, device, backend, traffic)
-    batches = GlobalBatches(len(data.x_train), batch, cfg.run.seed)
-    limit = total_steps(cfg, batches.steps_per_epoch)
-    holds_input = bool(program.model_inputs)
-    log = MetricsLog(run_dir if k == g else None)
-    classes = data.num_classes if data.task == "classification" else None
-    evaluator = whole = None
-    if k == g:
-        torch.manual_seed(cfg.run.seed)
-        whole = build_model(cfg.model, data).to(device)  # holds the merged snapshots
-        if cfg.model.dtype == "float64":
-            whole = whole.double()
-        on_target = None
-        if cfg.run.target_accuracy is not None:
-            own_store = store.clone()  # the evaluator's thread must not share this connection
-            on_target = lambda seconds: store_set_json(own_store, "stats/target", {"time": seconds})  # noqa: E731
-        evaluator = SnapshotEvaluator(whole, data.x_test, data.y_test, device, log, cfg.run.target_accuracy,
-                                      on_target=on_target)
-    health = Health(total_steps=limit, classes=classes)
-    must_agree = cfg.run.time_limit is not None or cfg.run.target_accuracy is not None
-    try:
-        if k == 0:
-            store.set(STEPS_KEY, str(limit))
-        store_barrier(store, "stages/ready", stages, cfg.cluster.timeout)
-        if k == 0:
-            store.set("train/t0", repr(time.time()))
-        wait_keys(store, ["train/t0"], cfg.cluster.timeout, "stage 0's start time")
-        t0 = float(store.get("train/t0").decode())
-        clock = lambda: time.time() - t0  # noqa: E731
-        loss = float("nan")
-        steps_done = 0
-        for step in range(limit):
-            idx = batches.indices(step)
-            x = data.x_train[idx].to(device) if holds_input else None
-            y = data.y_train[idx].to(device) if program.output is not None else None
-            out = own.step(x, y, {placeholders[0]: x} if x is not None else {})
-            steps_done = step + 1
-            if out is not None:
-                loss = out
-                if not math.isfinite(loss):
-                    health.diverged(steps_done)
-                    raise NonFiniteLoss(f"stage {k}: the training loss became {loss} at step {step}: "
-                                        f"{hint('diverging', cfg.settings(), is_asynchronous(cfg.to_flat()))}")
-                changed = health.observe(steps_done, loss)
-                if changed is not None:
-                    why = None if changed == "ok" else hint(changed, cfg.settings(), False)
-                    log.log("health", time=clock(), worker=0, step=steps_done, state=changed, loss=loss, hint=why)
-                    logger.warning("stage %d: training is %s at step %d (loss %.4g)%s", k,
-                                   "learning again" if why is None else changed, steps_done, loss,
-                                   "" if why is None else f": {why}")
-                if steps_done % cfg.run.log_every == 0 or steps_done == limit:
-                    log.log("train", time=clock(), worker=0, step=steps_done, loss=loss,
-                            samples=steps_done * batch, worker_samples=steps_done * batch,
-                            bytes_sent=traffic.bytes_sent, bytes_recv=traffic.bytes_recv)
-            if cfg.run.eval_every and steps_done % cfg.run.eval_every == 0 and steps_done < limit:
-                now = clock()
-                merged = _gather(own, programs)
-                if merged is not None:
-                    whole.load_state_dict(merged)
-                    evaluator.submit(whole, steps_done, now, steps_done * batch)
-            if must_agree and steps_done % cfg.run.log_every == 0:
-                # The output stage decides, every stage stops after the same step.
-                key = f"stages/stop/{steps_done}"
-                if k == g:
-                    over = cfg.run.time_limit is not None and clock() >= cfg.run.time_limit
-                    store.set(key, "1" if over or evaluator.reached.is_set() else "0")
-                wait_keys(store, [key], cfg.cluster.timeout, "the output stage's word on stopping")
-                if store.get(key) == b"1":
-                    break
-        wall = clock()
-        predicted = {f"{s}->{d}": [m * steps_done, b * steps_done] for (s, d), (m, b) in plan.traffic().items()
-                     if k in (s, d)}
-        record = {"stage": k, "steps": steps_done, "wall_seconds": wall, "compute_seconds": own.compute_s,
-                  "idle_seconds": own.idle_s, "peak_memory_bytes": _peak_bytes(device),
-                  "peak_memory_measure": "cuda allocator" if device.type == "cuda" else "ru_maxrss",
-                  "params": sum(p.numel() for p in program.module.parameters()),
-                  "bytes_sent": traffic.bytes_sent, "bytes_recv": traffic.bytes_recv,
-                  **own.edge_counts(traffic), "predicted": predicted}
-        merged = _gather(own, programs)
-        record["snapshot_bytes_sent"] = own.gather_traffic.bytes_sent
-        store_set_json(store, f"stats/stage/{k}", record)
-        if merged is not None:
-            whole.load_state_dict(merged)
-            evaluator.close()
-            final_loss, final_acc = evaluate(whole, data.x_test, data.y_test, device)
-            if not evaluator.results or evaluator.results[-1].step != steps_done:
-                evaluator.record(Evaluation(step=steps_done, time=wall, samples=steps_done * batch,
-                                            accuracy=final_acc, loss=final_loss))
-            if run_dir is not None and cfg.run.save_model:
-                torch.save(whole.state_dict(), run_dir / "model.pt")
-            store_set_json(store, "stats/eval", {
-                "final_test_accuracy": final_acc, "final_test_loss": final_loss, "steps": steps_done,
-                "wall_seconds": wall, "time_to_target": evaluator.time_to_target,
-                "evaluations": len(evaluator.results), "skipped": evaluator.skipped,
-                "replica_test_accuracy": None, "replica_test_loss": None,
-                "chance_accuracy": 1 / classes if classes else None})
-            wait_keys(store, [f"stats/stage/{j}" for j in range(stages)], cfg.cluster.timeout,
-                      "every stage's final record")
-            recs = [store_get_json(store, f"stats/stage/{j}") for j in range(stages)]
-            # The replica's record, as a worker's: what summary.py reads for any run.
-            store_set_json(store, "stats/worker/0", {
-                "steps": steps_done, "wall_seconds": wall, "bytes_sent": sum(r["bytes_sent"] for r in recs),
-                "bytes_recv": sum(r["bytes_recv"] for r in recs), "traffic": {}, "loss": loss, "slept": 0.0,
-                "diverging": health.state == "diverging", "health": health.state, "health_step": health.step,
-                "compute_seconds": sum(r["compute_seconds"] for r in recs), "step_seconds": wall})
-        store_barrier(store, "stages/done", stages, cfg.cluster.timeout)
-    except BaseException:
-        # The time of this failure, so the job names the stage that failed first, not a
-        # peer that lost its link to it afterwards (job.py reads the earliest).
-        try:
-            store.compare_set(exited_key(info.name), "", repr(time.time()))
-        except RuntimeError:
-            pass
-        raise
-    finally:
-        if evaluator is not None:
-            evaluator.close()
-        log.close()
-        own.close()
 
 
 def stage_summary(records: dict[int, dict[str, Any]]) -> dict[str, Any]:
