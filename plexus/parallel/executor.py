@@ -86,6 +86,10 @@ def make_plan(cfg: JobConfig, model: torch.nn.Module, sample: torch.Tensor,
     those nodes instead (manual), which is how the stages share one profiled plan."""
     profile = split_points is None and cfg.parallel.partition == "time"
     graph = trace_model(model, sample, profile=profile)
+    inputs = [n.name for n in graph.nodes if n.op == "placeholder"]
+    if len(inputs) != 1:
+        raise ConfigError(f"--stages {cfg.parallel.stages} runs models that take one input (a batch), and "
+                          f"{cfg.model.model} takes {len(inputs)} ({', '.join(inputs)}): pass --stages 1")
     optim = cfg.optim
     slots = {"adam": 2, "adagrad": 1}.get(optim.optimizer, 1 if optim.momentum > 0 else 0)
     method = cfg.parallel.partition if split_points is None else "manual"
