@@ -179,8 +179,15 @@ class StageExecutor:
         self.idle_s += time.perf_counter() - start
 
     def _send(self, peer: int, tag: int, value: torch.Tensor) -> None:
+        """Start sending ``value``. Starting may block (a shared-memory ring with no room
+        while the receiver is behind, or --net's delay): those seconds are waiting, not
+        compute, so they move from the one to the other."""
+        start = time.perf_counter()
         value = value.detach().contiguous()
         self._sends.append(self.links[peer].isend(value, self.links[peer].peer_index, tag))
+        waited = time.perf_counter() - start
+        self.idle_s += waited
+        self.compute_s -= waited
 
     def step(self, x: torch.Tensor | None, y: torch.Tensor | None, inputs: dict[str, torch.Tensor]
              ) -> float | None:
@@ -228,8 +235,9 @@ class StageExecutor:
         return None if loss is None else loss.item()
 
     def figures(self, steps: int) -> dict[str, Any]:
-        """This stage's record for the summary (``stage_summary``): seconds computing and
-        waiting, peak memory, and the messages and bytes sent to and received from each
+        """This stage's record for the summary (``stage_summary``): seconds computing
+        (forward, loss, backward, optimizer) and idle (waiting for values, gradients and
+        for sends to start or finish), peak memory, and the messages and bytes sent to and received from each
         peer over its edge links, {peer: [messages, bytes]}, beside the plan's prediction
         for ``steps`` steps ({"src->dst": [messages, bytes]}); snapshot links count apart."""
         snap = self.traffic.snapshot()
