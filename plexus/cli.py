@@ -419,6 +419,9 @@ def _train(args: argparse.Namespace) -> int:
                 flag = "--" + key.replace("_", "-")
                 raise ConfigError(f"{flag} applies to --launcher ray only: pass --launcher ray, or drop {flag}")
     under_torchrun = "RANK" in os.environ and "PLEXUS_ROLE" not in os.environ
+    if launcher == "ray" and cfg.parallel.stages > 1:
+        raise ConfigError(f"--stages {cfg.parallel.stages} with --launcher ray is not supported yet: drop "
+                          f"--launcher ray (the local launcher runs the stages)")
     if launcher == "ray":
         if under_torchrun:
             raise ConfigError("--launcher ray starts the job's processes itself, and this one was started by "

@@ -118,6 +118,7 @@ def test_a_failing_stage_fails_the_job_and_is_named(tmp_path, capfd):
     (["--stages", "9"], "stages must lie in [1, 6]"),
     (["--stages", "2", "--strategy", "gossip"], "strategy gossip over stages is not supported yet"),
     (["--stages", "2", "--algorithm", "ring"], "--algorithm does not apply to --stages 2"),
+    (["--stages", "2", "--launcher", "ray"], "--stages 2 with --launcher ray is not supported yet"),
     (["--stages", "2", "--checkpoint-every", "5"], "--checkpoint-every with --stages 2 is not supported yet"),
 ])
 def test_bad_stage_input_is_one_line_and_status_2(args, needle, capsys, tmp_path):
@@ -125,3 +126,14 @@ def test_bad_stage_input_is_one_line_and_status_2(args, needle, capsys, tmp_path
     status = main(["train", "--dataset", "digits", "--out", str(tmp_path / "x"), *args])
     err = capsys.readouterr().err
     assert_usage_error(subprocess.CompletedProcess([], status, "", err), needle)
+
+
+def test_stages_under_torchrun_are_refused_in_one_line(monkeypatch, capsys, tmp_path):
+    from plexus.cli import main
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
+                       ("MASTER_PORT", "29599")):
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("PLEXUS_ROLE", raising=False)
+    status = main(["train", "--stages", "2", "--out", str(tmp_path / "x")])
+    assert_usage_error(subprocess.CompletedProcess([], status, "", capsys.readouterr().err),
+                       "--stages 2 under torchrun is not supported yet")

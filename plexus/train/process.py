@@ -34,7 +34,7 @@ def main() -> int:
         arm_kill(cfg, info, store)
         if info.role in ("worker", "stage"):
             data = load_saved_dataset(Path(os.environ["PLEXUS_DATA"])) if os.environ.get("PLEXUS_DATA") else None
-            if info.role == "stage":  # one stage of a replica cut by --stages (parallel/executor.py)
+            if info.role == "stage":  # one stage of a replica cut by --stages (train/stage_runner.py)
                 from plexus.train.stage_runner import stage_main
                 stage_main(cfg, info, store, run_dir, data)
             else:
