@@ -137,3 +137,21 @@ def test_stages_under_torchrun_are_refused_in_one_line(monkeypatch, capsys, tmp_
     status = main(["train", "--stages", "2", "--out", str(tmp_path / "x")])
     assert_usage_error(subprocess.CompletedProcess([], status, "", capsys.readouterr().err),
                        "--stages 2 under torchrun is not supported yet")
+
+
+@pytest.mark.slow
+def test_compare_runs_stages_beside_one_process(tmp_path):
+    from test_cli import plexus_cli
+    result = plexus_cli("compare", "allreduce", "allreduce:stages=2", "--dataset", "digits", "--steps", "20",
+                        "--hidden", "32", "--no-report", "--quiet", "--out", str(tmp_path / "cmp"))
+    assert result.returncode == 0, result.stderr
+    one, two = (json.loads(p.read_text()) for p in sorted((tmp_path / "cmp").glob("*/summary.json")))
+    assert two["processes"] == 2 and two["traffic_matches_plan"] is True
+    assert two["final_test_accuracy"] == one["final_test_accuracy"]
+
+
+def test_the_simulator_refuses_stages_in_one_line(capsys):
+    from plexus.cli import main
+    status = main(["simulate", "--stages", "2"])
+    assert_usage_error(subprocess.CompletedProcess([], status, "", capsys.readouterr().err),
+                       "the simulator does not run a cut model yet")
