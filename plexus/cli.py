@@ -412,7 +412,6 @@ def _train(args: argparse.Namespace) -> int:
     if getattr(args, "print_partition", False):
         _print_partition(cfg)
         return 0
-    _refuse_stages(cfg)
     launcher = getattr(args, "launcher", "local")
     if launcher != "ray":
         for key in LAUNCHER_KEYS[1:]:
@@ -420,6 +419,9 @@ def _train(args: argparse.Namespace) -> int:
                 flag = "--" + key.replace("_", "-")
                 raise ConfigError(f"{flag} applies to --launcher ray only: pass --launcher ray, or drop {flag}")
     under_torchrun = "RANK" in os.environ and "PLEXUS_ROLE" not in os.environ
+    if launcher == "ray" and cfg.parallel.stages > 1:
+        raise ConfigError(f"--stages {cfg.parallel.stages} with --launcher ray is not supported yet: drop "
+                          f"--launcher ray (the local launcher runs the stages)")
     if launcher == "ray":
         if under_torchrun:
             raise ConfigError("--launcher ray starts the job's processes itself, and this one was started by "
@@ -450,11 +452,12 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _refuse_stages(cfg) -> None:
-    """--stages K > 1 plans a cut (--print-partition) but nothing runs a cut model yet."""
+    """--stages K > 1 plans a cut (--print-partition), and plexus train and compare run
+    it (parallel/executor.py); the simulator does not run a cut model yet."""
     from plexus.errors import ConfigError
     if cfg.parallel.stages > 1:
-        raise ConfigError(f"--stages {cfg.parallel.stages}: the partitioned executor does not run yet; pass "
-                          f"--print-partition to see the plan, or --stages 1 to train the whole model per worker")
+        raise ConfigError(f"--stages {cfg.parallel.stages}: the simulator does not run a cut model yet; pass "
+                          f"--print-partition to see the plan, or --stages 1 to simulate the whole model per worker")
 
 
 def _print_partition(cfg) -> None:
@@ -613,8 +616,8 @@ def _compare(args: argparse.Namespace) -> int:
                 first = cfgs[0].run.seed  # --seed, or the spec's own
                 cfgs = [job_config(args, {**spec, "seed": seed, "out": str(folder / f"seed-{seed}")})
                         for seed in range(first, first + seeds)]
-            _refuse_stages(cfgs[0])
             if simulated:
+                _refuse_stages(cfgs[0])
                 from plexus.sim.run import check
                 check(cfgs[0], _sim_spec(cfgs[0], vars(args)))
             else:

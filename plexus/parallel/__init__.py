@@ -1,6 +1,6 @@
 """Model parallelism: a model's fx graph cut into stages (``partition.py``, pure) and the
-stage programs that run them (``stages.py``). The partitioned executor that runs each
-stage in its own process builds on these."""
+stage programs that run them (``stages.py``); ``executor.py`` runs each stage in its own
+process (``plexus train --stages K``, the loop in ``train/stage_runner.py``)."""
 from __future__ import annotations
 
 from plexus.parallel.partition import (METHODS, GraphNode, ModelGraph, Partition, PartitionPlan, Transfer,

@@ -51,10 +51,18 @@ def validate(cfg: JobConfig):
     preflight.check_applies(cfg)
     preflight.check_roles(cfg)
     strategy_class(cfg.strategy.strategy).check_config(cfg)
+    from plexus.parallel.executor import check_stages
+    check_stages(cfg)
     get_algorithm(cfg.strategy.algorithm, cfg.strategy)
     data = load_dataset(cfg.data, cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
-    build_model(cfg.model, data)
+    model = build_model(cfg.model, data)
+    if cfg.parallel.stages > 1:  # a model that does not trace, or a plan that cannot be made
+        from plexus.parallel.executor import make_plan
+        sample = data.x_train[:cfg.run.batch_size]
+        if cfg.model.dtype == "float64":
+            model, sample = model.double(), sample.double() if sample.is_floating_point() else sample
+        make_plan(cfg, model, sample)
     # (Sandblaster's batch caps at the training set: a larger one is full-batch L-BFGS.)
     if cfg.run.batch_size > len(data.x_train) and cfg.strategy.strategy != "sandblaster":
         raise ConfigError(f"batch_size must not exceed the training set ({len(data.x_train)} samples), "
@@ -357,6 +365,9 @@ def run_torchrun(cfg: JobConfig) -> dict[str, Any] | None:
     import dataclasses
     from plexus.train.plan import Slot, plan_for_world
     from plexus.train.preflight import check_applies
+    if cfg.parallel.stages > 1:
+        raise ConfigError(f"--stages {cfg.parallel.stages} under torchrun is not supported yet: run plexus train "
+                          f"--stages {cfg.parallel.stages} with the local launcher")
     info = ProcessInfo.from_env()
     gloo_interface_towards(info.master_addr)  # before any link is made
     global_rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -41,7 +41,11 @@ class Slot:
 
 
 def role_plan(cfg: JobConfig) -> list[Slot]:
-    """The slots of ``cfg``'s processes, by global rank, for its ``--workers``."""
+    """The slots of ``cfg``'s processes, by global rank, for its ``--workers``. With
+    ``--stages K`` (one replica, plexus/parallel/executor.py) the processes are the K
+    stages of that replica, ``stage 0`` .. ``stage K-1``."""
+    if cfg.parallel.stages > 1:
+        return [Slot("stage", k) for k in range(cfg.parallel.stages)]
     workers = [Slot("worker", r) for r in range(cfg.cluster.workers)]
     others = [Slot(role, r) for role, count in strategy_class(cfg.strategy.strategy).extra_roles(cfg)
               for r in range(count)]

@@ -32,9 +32,13 @@ def main() -> int:
         store.add(JOINED_KEY, 1)  # start-up progress: this process is up (train/progress.py)
         run_dir = Path(os.environ["PLEXUS_RUN_DIR"]) if os.environ.get("PLEXUS_RUN_DIR") else None
         arm_kill(cfg, info, store)
-        if info.role == "worker":
+        if info.role in ("worker", "stage"):
             data = load_saved_dataset(Path(os.environ["PLEXUS_DATA"])) if os.environ.get("PLEXUS_DATA") else None
-            worker_main(cfg, info, store, run_dir, data)
+            if info.role == "stage":  # one stage of a replica cut by --stages (train/stage_runner.py)
+                from plexus.train.stage_runner import stage_main
+                stage_main(cfg, info, store, run_dir, data)
+            else:
+                worker_main(cfg, info, store, run_dir, data)
         else:
             role_main(cfg, info, store, run_dir)
         report_cpu(store, info.role, info.rank)

@@ -28,7 +28,9 @@ __all__ = ["collect_records", "assemble_summary", "write_summary", "cpu_key", "F
 
 
 # Entries of collect_records' result that are not the records of a role besides the workers.
-_NOT_OTHER_ROLES = ("worker", "eval", "target", "lost")
+# (A replica cut into stages leaves its own record as worker 0, which counts the stages'
+# bytes: their records are per-stage figures, not more senders.)
+_NOT_OTHER_ROLES = ("worker", "eval", "target", "lost", "stage")
 
 
 def cpu_key(role: str, rank: int) -> str:
@@ -65,6 +67,8 @@ def collect_records(cfg: JobConfig, store, lost: dict[str, list[int]] | None = N
     lost = {role: list(ranks) for role, ranks in (lost or {}).items()}
     cls = strategy_class(cfg.strategy.strategy)
     counts = {"worker": cfg.cluster.workers + cls.joined_workers(store), **dict(cls.extra_roles(cfg))}
+    if cfg.parallel.stages > 1:
+        counts["stage"] = cfg.parallel.stages
     records: dict[str, Any] = {}
     for role, count in counts.items():
         if wait is not None:
@@ -136,6 +140,15 @@ def assemble_summary(cfg: JobConfig, records: dict[str, Any], lost: dict[str, li
     summary.update(cls.summary_fields(cfg, records))
     summary.update(_figures(cfg, records, summary, sent))
     summary.update(_health(cfg, workers, ev, summary))
+    if cfg.parallel.stages > 1:
+        from plexus.parallel.executor import stage_summary
+        stages = records.get("stage", {})
+        summary.update(stage_summary(stages))
+        summary["processes"] = cfg.parallel.stages
+        summary["algorithm"] = None  # one replica: nothing is all-reduced
+        cpu = [rec["cpu_seconds"] for rec in stages.values() if "cpu_seconds" in rec]
+        summary["cpu_seconds"] = sum(cpu) if cpu else None
+        summary["cpu_seconds_by_role"] = {"stage": sum(cpu)} if cpu else {}
     summary["settings"] = cfg.settings()
     return summary
 
