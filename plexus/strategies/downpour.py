@@ -199,20 +199,23 @@ class DownpourStrategy(Strategy):
                                  resumed=state is not None,
                                  checkpoints=ctx.run_dir if ctx.cfg.run.checkpoint_every else None)
         record = server.serve()
-        if server.moved_to is None:  # a shard that moved on is recorded by its last server
-            store_set_json(ctx.store, f"stats/server/{rank}", record)
         if group is not None:
             group.finish()
+        mine = server.moved_to is None  # a shard that moved on is recorded by its last server
         if rank == 0:
+            # Before this server's own record: worker 0 ends the job, store included, once it
+            # has every server's record (under torchrun nothing waits for this process after).
             servers = num_servers(ctx.cfg)
-            keys = [f"stats/server/{s}" for s in range(servers)]
+            keys = [f"stats/server/{s}" for s in range(servers) if s != rank or not mine]
             wait_keys(ctx.store, keys, ctx.cfg.cluster.timeout, "the final records of the other servers")
-            histogram = StalenessHistogram()
+            histogram = StalenessHistogram(record["staleness_counts"]) if mine else StalenessHistogram()
             for key in keys:
                 histogram = histogram.merge(StalenessHistogram(store_get_json(ctx.store, key)["staleness_counts"]))
             t0 = float(ctx.store.get("train/t0").decode()) if ctx.store.check(["train/t0"]) else time.time()
             ctx.log.log("staleness_histogram", time=time.time() - t0, counts=histogram.counts,
                         mean=histogram.mean, max=histogram.max)
+        if mine:
+            store_set_json(ctx.store, f"stats/server/{rank}", record)
 
     @classmethod
     def root_children(cls, cfg: JobConfig) -> list[str] | None:
