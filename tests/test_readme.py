@@ -233,6 +233,8 @@ def _check(example: Example, result: subprocess.CompletedProcess, out_dir: Path)
         return said
     if example.argv[0] == "report":
         return None if (out_dir / "index.html").exists() else f"{said}\n  no index.html in {out_dir}"
+    if "--print-partition" in example.argv:  # prints the plan and trains nothing
+        return None if "transfers" in result.stdout else f"{said}\n  no partition plan on stdout"
     summaries = _summaries(result.stdout)
     if example.argv[0] in ("train", "compare", "simulate") and not summaries:
         return f"{said}\n  no JSON summary on stdout"
