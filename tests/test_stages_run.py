@@ -114,7 +114,7 @@ def test_a_failing_stage_fails_the_job_and_is_named(tmp_path, capfd):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--stages", "2", "--workers", "2"], "replicas x stages is not supported yet"),
+    (["--stages", "2", "--workers", "2", "--strategy", "ps"], "strategy ps over stages is not supported yet"),
     (["--stages", "9"], "stages must lie in [1, 6]"),
     (["--stages", "2", "--strategy", "gossip"], "strategy gossip over stages is not supported yet"),
     (["--stages", "2", "--algorithm", "ring"], "--algorithm does not apply to --stages 2"),

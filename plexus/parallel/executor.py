@@ -24,8 +24,20 @@ also decides, every ``--log-every`` steps, whether a time limit or target accura
 the run (the others read its word in the store), and writes the replica's record
 (``stats/worker/0``), so the run directory is that of any run.
 
-Not yet: replicas (``--workers`` > 1), other strategies, checkpoints, torchrun, --kill
-and --slow of a stage, micro-batches (pipelines).
+Replicas (``--stages K --workers R``, R x K processes; ``--replicas`` is another name for
+``--workers``): replica r takes worker r's slice of global batch t (contract 1), as in a
+plain allreduce run, and is cut into the same K stages. After backward, stage k of every
+replica averages its gradients with stage k of the others: one data-parallel group per
+stage, over that stage's parameters only (Dean et al. 2012's picture of model replicas
+cut into partitions), with the project's all-reduce (``--algorithm``, ``--bucket-mb``,
+``collectives/bucketing.py``) on a ``Group`` of its own whose bytes count apart from the
+cut edges'. Each replica's mean loss over B/R samples, averaged over R replicas, is the
+global batch's mean loss, so training equals ``--strategy allreduce --workers R`` (and
+one process) up to float rounding. Replica 0's stages gather, evaluate and save the
+model; every replica's output stage writes its replica's record (``stats/worker/r``).
+
+Not yet: other strategies over replicas, checkpoints, torchrun, --kill and --slow of a
+stage, micro-batches (pipelines).
 """
 from __future__ import annotations
 
@@ -36,9 +48,12 @@ from typing import Any, Callable
 
 import torch
 
-from plexus.cluster.group import Link, Work
+from plexus.cluster.group import Group, Link, Work
 from plexus.cluster.rendezvous import store_get_json, store_set_json, wait_keys
 from plexus.cluster.traffic import Traffic
+from plexus.collectives import get_algorithm
+from plexus.collectives.base import Handle
+from plexus.collectives.bucketing import GradientBuckets
 from plexus.config import JobConfig
 from plexus.errors import ConfigError
 from plexus.parallel.partition import ModelGraph, PartitionPlan, plan_partitions, trace_model
@@ -59,16 +74,16 @@ def check_stages(cfg: JobConfig) -> None:
     k = cfg.parallel.stages
     if k <= 1:
         return
-    if cfg.cluster.workers != 1:
-        raise ConfigError(f"--stages {k} with --workers {cfg.cluster.workers}: replicas x stages is not supported "
-                          f"yet; pass --workers 1 to train one replica cut into {k} stages")
+    replicas = cfg.cluster.workers
     if cfg.strategy.strategy != "allreduce" or cfg.strategy.elastic:
-        raise ConfigError(f"--stages {k} runs one replica by synchronous SGD; strategy "
-                          f"{cfg.strategy.strategy}{' --elastic' if cfg.strategy.elastic else ''} over stages is not "
-                          f"supported yet: pass --strategy allreduce (the default)")
+        what = "one replica" if replicas == 1 else f"{replicas} replicas x {k} stages"
+        raise ConfigError(f"--stages {k} runs {what} by synchronous SGD (stage k of every replica all-reduces its "
+                          f"gradients); strategy {cfg.strategy.strategy}"
+                          f"{' --elastic' if cfg.strategy.elastic else ''} over stages is not supported yet: pass "
+                          f"--strategy allreduce (the default), the one supported")
     settings = cfg.settings()
-    for key in ("algorithm", "bucket_mb"):  # nothing is all-reduced: these would do nothing
-        if settings[key]["source"] != "default":
+    for key in ("algorithm", "bucket_mb"):  # one replica all-reduces nothing: these would do nothing
+        if replicas == 1 and settings[key]["source"] != "default":
             flag = "--" + key.replace("_", "-")
             raise ConfigError(f"{flag} does not apply to --stages {k}: one replica cut into stages all-reduces "
                               f"nothing; drop {flag}")
@@ -120,6 +135,7 @@ def shared_plan(cfg: JobConfig, k: int, store, model: torch.nn.Module, sample: t
 
 
 def stage_name(k: int) -> str:
+    """The process of stage role rank ``k``: stage k mod K of replica k div K."""
     return f"stage {k}"
 
 
@@ -134,14 +150,18 @@ def peak_bytes(device: torch.device) -> int:
 
 class StageExecutor:
     """This process's stage: its program, links to the stages it exchanges values with,
-    its optimizer, and the seconds it spent computing and waiting."""
+    its optimizer, and the seconds it spent computing and waiting. With ``replicas`` > 1,
+    also its replica group (stage k of every replica) and the gradient buckets it
+    all-reduces over that group after each backward pass."""
 
     def __init__(self, cfg: JobConfig, program: StageProgram, plan: PartitionPlan, store, device: torch.device,
                  backend: str, traffic: Traffic, optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], replica: int = 0,
+                 replicas: int = 1) -> None:
         self.cfg, self.program, self.plan, self.device = cfg, program, plan, device
         self.traffic, self.loss_fn = traffic, loss_fn
-        self.batch = cfg.run.batch_size
+        self.replica, self.replicas = replica, replicas
+        self.batch = cfg.run.batch_size // replicas  # this replica's slice of the global batch
         self.k = k = program.index
         self.step_runner = StageStep(program)
         self.index = {t: i for i, t in enumerate(plan.transfers)}
@@ -149,7 +169,8 @@ class StageExecutor:
         # one from every stage to the output stage for snapshots of the model, counted apart.
         g = plan.output_stage
         pairs = {(min(t.src, t.dst), max(t.src, t.dst), "edge") for t in plan.transfers}
-        pairs |= {(min(j, g), max(j, g), "gather") for j in range(plan.stages) if j != g}
+        if replica == 0:  # replica 0's stages hold the model that is evaluated and saved
+            pairs |= {(min(j, g), max(j, g), "gather") for j in range(plan.stages) if j != g}
         self.links: dict[int, Link] = {}
         self.gather_links: dict[int, Link] = {}
         self.gather_traffic = Traffic()
@@ -160,14 +181,40 @@ class StageExecutor:
                 continue
             peer = hi if k == lo else lo
             edge = kind == "edge"
-            link = Link(store, stage_name(k), stage_name(peer), traffic=traffic if edge else self.gather_traffic,
+            link = Link(store, self.name(k), self.name(peer), traffic=traffic if edge else self.gather_traffic,
                         timeout=cfg.cluster.timeout, backend=backend, net=cfg.cluster.net if edge else None,
                         tag="" if edge else "gather", transport=cfg.cluster.transport)
             (self.links if edge else self.gather_links)[peer] = link
         params = list(program.module.parameters())
+        self.sync_traffic = Traffic()
+        self.group: Group | None = None
+        self.buckets: GradientBuckets | None = None
+        if replicas > 1 and params:
+            # Stage k's data-parallel group: the same program in every replica, so the same
+            # buckets in the same order on every member (what persistent() relies on).
+            self.group = Group(store, f"stage-{k}-replicas", replica,
+                               [stage_name(r * plan.stages + k) for r in range(replicas)], traffic=self.sync_traffic,
+                               timeout=cfg.cluster.timeout, backend=backend, net=cfg.cluster.net)
+            algorithm = get_algorithm(cfg.strategy.algorithm, cfg.strategy)
+            self.buckets = GradientBuckets(params, int(cfg.strategy.bucket_mb * 2**20), self._launch)
+            self.reductions = {id(b.buffer): algorithm.persistent(b.buffer, self.group, "mean")
+                               for b in self.buckets.buckets}
         self.optimizer = optimizer(params) if params else None
-        self.compute_s = self.idle_s = 0.0
+        self.compute_s = self.idle_s = self.sync_s = 0.0
         self._sends: list[Work] = []
+
+    def name(self, j: int) -> str:
+        """The process of stage ``j`` of this replica."""
+        return stage_name(self.replica * self.plan.stages + j)
+
+    def _launch(self, buffer: torch.Tensor, last: bool) -> Handle:
+        """Start the mean all-reduce of one bucket over the replica group (the last one in
+        this thread, as ``strategies/allreduce.py`` does)."""
+        reduction = self.reductions[id(buffer)]
+        if last:
+            reduction()
+            return Handle()
+        return reduction.start()
 
     def _recv_all(self, wanted: list[tuple[int, int, torch.Tensor]]) -> None:
         """Post every receive (peer, tag, buffer) at once, then wait for them all: the
@@ -201,7 +248,9 @@ class StageExecutor:
             wanted.append((t.src, 2 * self.index[t], buf))
         self._recv_all(wanted)
         start = time.perf_counter()
-        if self.optimizer is not None:
+        if self.buckets is not None:
+            self.buckets.zero()  # (the gradients are views into the buckets: never set to None)
+        elif self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         values = self.step_runner.forward(received, inputs)
         for t in p.sends:
@@ -224,6 +273,12 @@ class StageExecutor:
         for t in p.receives:
             if t.grad:
                 self._send(t.src, 2 * self.index[t] + 1, back[t.producer])
+        if self.buckets is not None:
+            # The mean over the replicas of their mean losses' gradients: the global batch's.
+            sync = time.perf_counter()
+            self.buckets.finish()
+            self.sync_s += time.perf_counter() - sync
+            start += time.perf_counter() - sync
         if self.optimizer is not None:
             self.optimizer.step()
         self.compute_s += time.perf_counter() - start
@@ -239,26 +294,33 @@ class StageExecutor:
         (forward, loss, backward, optimizer) and idle (waiting for values, gradients and
         for sends to start or finish), peak memory, and the messages and bytes sent to and received from each
         peer over its edge links, {peer: [messages, bytes]}, beside the plan's prediction
-        for ``steps`` steps ({"src->dst": [messages, bytes]}); snapshot links count apart."""
+        for ``steps`` steps ({"src->dst": [messages, bytes]}); snapshot links count apart, and
+        so does the replica group's all-reduce (bytes and seconds)."""
         snap = self.traffic.snapshot()
         sent, recv = {}, {}
         for peer in self.links:
-            row = snap.get(stage_name(peer), {"bytes_sent": 0, "bytes_recv": 0, "msgs_sent": 0, "msgs_recv": 0})
+            row = snap.get(self.name(peer), {"bytes_sent": 0, "bytes_recv": 0, "msgs_sent": 0, "msgs_recv": 0})
             sent[str(peer)] = [row["msgs_sent"], row["bytes_sent"]]
             recv[str(peer)] = [row["msgs_recv"], row["bytes_recv"]]
         predicted = {f"{s}->{d}": [m * steps, b * steps] for (s, d), (m, b) in self.plan.traffic().items()
                      if self.k in (s, d)}
-        return {"stage": self.k, "steps": steps, "compute_seconds": self.compute_s, "idle_seconds": self.idle_s,
+        return {"stage": self.k, "replica": self.replica, "steps": steps, "compute_seconds": self.compute_s, "idle_seconds": self.idle_s,
                 "peak_memory_bytes": peak_bytes(self.device),
                 "peak_memory_measure": "cuda allocator" if self.device.type == "cuda" else "ru_maxrss",
                 "params": sum(p.numel() for p in self.program.module.parameters()),
                 "bytes_sent": self.traffic.bytes_sent, "bytes_recv": self.traffic.bytes_recv,
                 "snapshot_bytes_sent": self.gather_traffic.bytes_sent,
+                "allreduce_bytes_sent": self.sync_traffic.bytes_sent,
+                "allreduce_bytes_recv": self.sync_traffic.bytes_recv, "allreduce_seconds": self.sync_s,
                 "sent": sent, "received": recv, "predicted": predicted}
 
     def close(self) -> None:
         for link in (*self.links.values(), *self.gather_links.values()):
             link.close()
+        if self.buckets is not None:
+            self.buckets.remove()
+        if self.group is not None:
+            self.group.close()
 
 
 def gather_state(own: "StageExecutor", programs: list[StageProgram]) -> dict[str, torch.Tensor] | None:
@@ -284,34 +346,61 @@ def gather_state(own: "StageExecutor", programs: list[StageProgram]) -> dict[str
     return merge_state_dicts(states)
 
 
-def stage_summary(records: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    """The summary's per-stage figures (compute and idle seconds, peak memory, bytes over
-    the cut edges, and bytes of model snapshots sent to the output stage, which the edges
-    do not count) and cut-edge traffic, measured beside predicted:
-    ``traffic_matches_plan`` is true when, on every edge (src, dst), the messages and
-    bytes src sent, those dst received, and the plan's prediction for the steps made are
-    all equal."""
-    edges: dict[str, dict[str, Any]] = {}
+def _replica_edges(records: dict[int, dict[str, Any]]) -> dict[tuple[int, int], dict[str, list[int]]]:
+    """One replica's edges {(src, dst): {"sent", "received", "predicted": [messages, bytes]}}
+    from its stages' records, keyed by stage."""
+    edges: dict[tuple[int, int], dict[str, list[int]]] = {}
     for k, rec in records.items():
         for peer, (m, b) in rec["sent"].items():
-            edges.setdefault(f"{k}->{peer}", {})["sent"] = [m, b]
+            edges.setdefault((k, int(peer)), {})["sent"] = [m, b]
         for peer, (m, b) in rec["received"].items():
-            edges.setdefault(f"{peer}->{k}", {})["received"] = [m, b]
+            edges.setdefault((int(peer), k), {})["received"] = [m, b]
         for edge, mb in rec["predicted"].items():
-            edges.setdefault(edge, {})["predicted"] = mb
-    rows, ok = [], True
-    for edge in sorted(edges, key=lambda e: tuple(int(v) for v in e.split("->"))):
-        e = edges[edge]
-        src, dst = (int(v) for v in edge.split("->"))
-        sent, recv, pred = e.get("sent", [0, 0]), e.get("received", [0, 0]), e.get("predicted", [0, 0])
-        if sent == recv == pred == [0, 0]:
-            continue  # the direction of a link that carries no gradient back
-        ok = ok and sent == recv == pred
-        rows.append({"src": src, "dst": dst, "messages_sent": sent[0], "bytes_sent": sent[1],
-                     "messages_received": recv[0], "bytes_received": recv[1],
-                     "predicted_messages": pred[0], "predicted_bytes": pred[1]})
-    stages = [{key: records[k][key] for key in ("stage", "compute_seconds", "idle_seconds", "peak_memory_bytes",
-                                                "peak_memory_measure", "params", "bytes_sent", "bytes_recv",
-                                                "snapshot_bytes_sent")}
-              for k in sorted(records)]
-    return {"stages": stages, "stage_traffic": rows, "traffic_matches_plan": ok and bool(records)}
+            src, dst = (int(v) for v in edge.split("->"))
+            edges.setdefault((src, dst), {})["predicted"] = list(mb)
+    return edges
+
+
+def stage_summary(records: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """The summary's per-stage figures (compute and idle seconds, peak memory, bytes over
+    the cut edges, bytes of model snapshots sent to the output stage and, with replicas,
+    bytes of the replica group's all-reduce, which the edges do not count) and cut-edge
+    traffic, measured beside predicted, summed over the replicas:
+    ``traffic_matches_plan`` is true when, in every replica and on every edge (src, dst),
+    the messages and bytes src sent, those dst received, and the plan's prediction for the
+    steps made are all equal (so the totals are the plan's per-replica traffic times R).
+    With replicas, ``stage_allreduce`` gives each stage group's all-reduce bytes."""
+    by_replica: dict[int, dict[int, dict[str, Any]]] = {}
+    for rec in records.values():
+        by_replica.setdefault(rec.get("replica", 0), {})[rec["stage"]] = rec
+    totals: dict[tuple[int, int], dict[str, list[int]]] = {}
+    ok = bool(records)
+    for replica in sorted(by_replica):
+        for edge, e in _replica_edges(by_replica[replica]).items():
+            sent, recv, pred = e.get("sent", [0, 0]), e.get("received", [0, 0]), e.get("predicted", [0, 0])
+            if sent == recv == pred == [0, 0]:
+                continue  # the direction of a link that carries no gradient back
+            ok = ok and sent == recv == pred
+            total = totals.setdefault(edge, {"sent": [0, 0], "received": [0, 0], "predicted": [0, 0]})
+            for key, mb in (("sent", sent), ("received", recv), ("predicted", pred)):
+                total[key] = [total[key][0] + mb[0], total[key][1] + mb[1]]
+    rows = [{"src": src, "dst": dst, "messages_sent": e["sent"][0], "bytes_sent": e["sent"][1],
+             "messages_received": e["received"][0], "bytes_received": e["received"][1],
+             "predicted_messages": e["predicted"][0], "predicted_bytes": e["predicted"][1]}
+            for (src, dst), e in sorted(totals.items())]
+    keys = ("stage", "replica", "compute_seconds", "idle_seconds", "peak_memory_bytes", "peak_memory_measure",
+            "params", "bytes_sent", "bytes_recv", "snapshot_bytes_sent", "allreduce_bytes_sent", "allreduce_seconds")
+    ordered = sorted(records.values(), key=lambda r: (r.get("replica", 0), r["stage"]))
+    stages = [{key: rec[key] for key in keys if key in rec} for rec in ordered]
+    out = {"stages": stages, "stage_traffic": rows, "traffic_matches_plan": ok and bool(records)}
+    if len(by_replica) > 1:
+        groups = sorted({rec["stage"] for rec in records.values()})
+        out["replicas"] = len(by_replica)
+        out["stage_allreduce"] = [
+            {"stage": k, "replicas": sum(1 for rec in records.values() if rec["stage"] == k),
+             "params": next(rec["params"] for rec in records.values() if rec["stage"] == k),
+             "bytes_sent": sum(rec.get("allreduce_bytes_sent", 0) for rec in records.values() if rec["stage"] == k),
+             "bytes_recv": sum(rec.get("allreduce_bytes_recv", 0) for rec in records.values() if rec["stage"] == k),
+             "seconds_max": max(rec.get("allreduce_seconds", 0.0) for rec in records.values() if rec["stage"] == k)}
+            for k in groups]
+    return out

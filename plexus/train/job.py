@@ -59,7 +59,7 @@ def validate(cfg: JobConfig):
     model = build_model(cfg.model, data)
     if cfg.parallel.stages > 1:  # a model that does not trace, or a plan that cannot be made
         from plexus.parallel.executor import make_plan
-        sample = data.x_train[:cfg.run.batch_size]
+        sample = data.x_train[:cfg.run.batch_size // cfg.cluster.workers]  # one replica's share
         if cfg.model.dtype == "float64":
             model, sample = model.double(), sample.double() if sample.is_floating_point() else sample
         make_plan(cfg, model, sample)

@@ -42,10 +42,10 @@ class Slot:
 
 def role_plan(cfg: JobConfig) -> list[Slot]:
     """The slots of ``cfg``'s processes, by global rank, for its ``--workers``. With
-    ``--stages K`` (one replica, plexus/parallel/executor.py) the processes are the K
-    stages of that replica, ``stage 0`` .. ``stage K-1``."""
+    ``--stages K`` (plexus/parallel/executor.py) the processes are the K stages of each
+    of the ``--workers`` R replicas: ``stage r*K + k`` is stage k of replica r."""
     if cfg.parallel.stages > 1:
-        return [Slot("stage", k) for k in range(cfg.parallel.stages)]
+        return [Slot("stage", k) for k in range(cfg.parallel.stages * cfg.cluster.workers)]
     workers = [Slot("worker", r) for r in range(cfg.cluster.workers)]
     others = [Slot(role, r) for role, count in strategy_class(cfg.strategy.strategy).extra_roles(cfg)
               for r in range(count)]

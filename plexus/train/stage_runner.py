@@ -1,4 +1,5 @@
-"""The training loop of one stage process (role ``stage``), for ``plexus train --stages K``.
+"""The training loop of one stage process (role ``stage``), for ``plexus train --stages K``
+(and ``--workers R``: R replicas x K stages, stage role rank r*K + k is stage k of replica r).
 
 The counterpart of ``runner.worker_main`` for one replica cut into stages: it loads the
 data and builds the model as a one-process run does (contract 2), reads global batch t at
@@ -7,7 +8,9 @@ drives its ``StageExecutor`` (``parallel/executor.py``: dataflow forward, backwa
 optimizer step), and on the output stage watches health, evaluates snapshots of the
 merged model off the training path, decides when a time limit or target accuracy ends
 the run, and leaves the replica's records (``stats/worker/0``, ``stats/eval``) for the
-summary beside each stage's own (``stats/stage/k``).
+summary beside each stage's own (``stats/stage/k``). With replicas, replica r reads
+worker r's slice of global batch t, as worker r of a plain allreduce run does; replica 0
+evaluates, decides and saves, and each replica's output stage writes ``stats/worker/r``.
 """
 from __future__ import annotations
 
@@ -53,7 +56,9 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
     target accuracy ends the run; it writes the replica's records for the summary."""
     if cfg.cluster.threads:
         torch.set_num_threads(cfg.cluster.threads)
-    k, stages = info.rank, cfg.parallel.stages
+    stages, replicas = cfg.parallel.stages, cfg.cluster.workers
+    i = info.rank  # this process's stage role rank
+    r, k = divmod(i, stages)
     device, backend = resolve_device(cfg, info.local_rank)
     data = data if data is not None else load_dataset(cfg.data, cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
@@ -61,7 +66,8 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
     if cfg.model.dtype == "float64":
         data, model = data.to_dtype(torch.float64), model.double()
     batch = cfg.run.batch_size
-    graph, plan = shared_plan(cfg, k, store, model, data.x_train[:batch])
+    share = batch // replicas  # this replica's samples per step (config checks B % R == 0)
+    graph, plan = shared_plan(cfg, i, store, model, data.x_train[:share])
     programs = build_stages(graph, plan)
     program = programs[k]
     program.module.to(device)
@@ -69,14 +75,16 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
     g = plan.output_stage
     traffic = Traffic()
     own = StageExecutor(cfg, program, plan, store, device, backend, traffic,
-                        optimizer=lambda params: make_optimizer(params, cfg.optim), loss_fn=_loss)
+                        optimizer=lambda params: make_optimizer(params, cfg.optim), loss_fn=_loss,
+                        replica=r, replicas=replicas)
     batches = GlobalBatches(len(data.x_train), batch, cfg.run.seed)
     limit = total_steps(cfg, batches.steps_per_epoch)
     holds_input = bool(program.model_inputs)
-    log = MetricsLog(run_dir if k == g else None)
+    lead = r == 0 and k == g  # replica 0's output stage: evaluates, decides and logs
+    log = MetricsLog(run_dir if lead else None)
     classes = data.num_classes if data.task == "classification" else None
     evaluator = whole = None
-    if k == g:
+    if lead:
         torch.manual_seed(cfg.run.seed)
         whole = build_model(cfg.model, data).to(device)  # holds the merged snapshots
         if cfg.model.dtype == "float64":
@@ -90,10 +98,10 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
     health = Health(total_steps=limit, classes=classes)
     must_agree = cfg.run.time_limit is not None or cfg.run.target_accuracy is not None
     try:
-        if k == 0:
+        if i == 0:
             store.set(STEPS_KEY, str(limit))
-        store_barrier(store, "stages/ready", stages, cfg.cluster.timeout)
-        if k == 0:
+        store_barrier(store, "stages/ready", stages * replicas, cfg.cluster.timeout)
+        if i == 0:
             store.set("train/t0", repr(time.time()))
         wait_keys(store, ["train/t0"], cfg.cluster.timeout, "stage 0's start time")
         t0 = float(store.get("train/t0").decode())
@@ -101,7 +109,7 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
         loss = float("nan")
         steps_done = 0
         for step in range(limit):
-            idx = batches.indices(step)
+            idx = batches.worker_indices(step, r, replicas)
             x = data.x_train[idx].to(device) if holds_input else None
             y = data.y_train[idx].to(device) if program.output is not None else None
             out = own.step(x, y, {placeholders[0]: x} if x is not None else {})
@@ -110,20 +118,20 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
                 loss = out
                 if not math.isfinite(loss):
                     health.diverged(steps_done)
-                    raise NonFiniteLoss(f"stage {k}: the training loss became {loss} at step {step}: "
+                    raise NonFiniteLoss(f"stage {i}: the training loss became {loss} at step {step}: "
                                         f"{hint('diverging', cfg.settings(), is_asynchronous(cfg.to_flat()))}")
                 changed = health.observe(steps_done, loss)
                 if changed is not None:
                     why = None if changed == "ok" else hint(changed, cfg.settings(), False)
-                    log.log("health", time=clock(), worker=0, step=steps_done, state=changed, loss=loss, hint=why)
-                    logger.warning("stage %d: training is %s at step %d (loss %.4g)%s", k,
+                    log.log("health", time=clock(), worker=r, step=steps_done, state=changed, loss=loss, hint=why)
+                    logger.warning("stage %d: training is %s at step %d (loss %.4g)%s", i,
                                    "learning again" if why is None else changed, steps_done, loss,
                                    "" if why is None else f": {why}")
                 if steps_done % cfg.run.log_every == 0 or steps_done == limit:
                     log.log("train", time=clock(), worker=0, step=steps_done, loss=loss,
-                            samples=steps_done * batch, worker_samples=steps_done * batch,
+                            samples=steps_done * batch, worker_samples=steps_done * share,
                             bytes_sent=traffic.bytes_sent, bytes_recv=traffic.bytes_recv)
-            if cfg.run.eval_every and steps_done % cfg.run.eval_every == 0 and steps_done < limit:
+            if r == 0 and cfg.run.eval_every and steps_done % cfg.run.eval_every == 0 and steps_done < limit:
                 now = clock()
                 merged = gather_state(own, programs)
                 if merged is not None:
@@ -132,7 +140,7 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
             if must_agree and steps_done % cfg.run.log_every == 0:
                 # The output stage decides, every stage stops after the same step.
                 key = f"stages/stop/{steps_done}"
-                if k == g:
+                if lead:
                     over = cfg.run.time_limit is not None and clock() >= cfg.run.time_limit
                     store.set(key, "1" if over or evaluator.reached.is_set() else "0")
                 wait_keys(store, [key], cfg.cluster.timeout, "the output stage's word on stopping")
@@ -140,9 +148,9 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
                     break
         wall = clock()
         record = {**own.figures(steps_done), "wall_seconds": wall}
-        merged = gather_state(own, programs)
+        merged = gather_state(own, programs) if r == 0 else None
         record["snapshot_bytes_sent"] = own.gather_traffic.bytes_sent  # the final gather's too
-        store_set_json(store, f"stats/stage/{k}", record)
+        store_set_json(store, f"stats/stage/{i}", record)
         if merged is not None:
             whole.load_state_dict(merged)
             evaluator.close()
@@ -158,16 +166,21 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
                 "evaluations": len(evaluator.results), "skipped": evaluator.skipped,
                 "replica_test_accuracy": None, "replica_test_loss": None,
                 "chance_accuracy": 1 / classes if classes else None})
-            wait_keys(store, [f"stats/stage/{j}" for j in range(stages)], cfg.cluster.timeout,
-                      "every stage's final record")
-            recs = [store_get_json(store, f"stats/stage/{j}") for j in range(stages)]
-            # The replica's record, as a worker's: what summary.py reads for any run.
-            store_set_json(store, "stats/worker/0", {
-                "steps": steps_done, "wall_seconds": wall, "bytes_sent": sum(r["bytes_sent"] for r in recs),
-                "bytes_recv": sum(r["bytes_recv"] for r in recs), "traffic": {}, "loss": loss, "slept": 0.0,
+        if k == g:
+            mine = [r * stages + j for j in range(stages)]
+            wait_keys(store, [f"stats/stage/{j}" for j in mine], cfg.cluster.timeout,
+                      f"every stage's final record of replica {r}")
+            recs = [store_get_json(store, f"stats/stage/{j}") for j in mine]
+            # The replica's record, as a worker's: what summary.py reads for any run. Its
+            # bytes are the cut edges' and the replica groups' all-reduce.
+            store_set_json(store, f"stats/worker/{r}", {
+                "steps": steps_done, "wall_seconds": wall,
+                "bytes_sent": sum(x["bytes_sent"] + x.get("allreduce_bytes_sent", 0) for x in recs),
+                "bytes_recv": sum(x["bytes_recv"] + x.get("allreduce_bytes_recv", 0) for x in recs),
+                "traffic": {}, "loss": loss, "slept": 0.0,
                 "diverging": health.state == "diverging", "health": health.state, "health_step": health.step,
-                "compute_seconds": sum(r["compute_seconds"] for r in recs), "step_seconds": wall})
-        store_barrier(store, "stages/done", stages, cfg.cluster.timeout)
+                "compute_seconds": sum(x["compute_seconds"] for x in recs), "step_seconds": wall})
+        store_barrier(store, "stages/done", stages * replicas, cfg.cluster.timeout)
     except BaseException:
         # The time of this failure, so the job names the stage that failed first, not a
         # peer that lost its link to it afterwards (job.py reads the earliest).

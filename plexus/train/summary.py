@@ -68,7 +68,7 @@ def collect_records(cfg: JobConfig, store, lost: dict[str, list[int]] | None = N
     cls = strategy_class(cfg.strategy.strategy)
     counts = {"worker": cfg.cluster.workers + cls.joined_workers(store), **dict(cls.extra_roles(cfg))}
     if cfg.parallel.stages > 1:
-        counts["stage"] = cfg.parallel.stages
+        counts["stage"] = cfg.parallel.stages * cfg.cluster.workers  # K stages per replica
     records: dict[str, Any] = {}
     for role, count in counts.items():
         if wait is not None:
@@ -144,8 +144,9 @@ def assemble_summary(cfg: JobConfig, records: dict[str, Any], lost: dict[str, li
         from plexus.parallel.executor import stage_summary
         stages = records.get("stage", {})
         summary.update(stage_summary(stages))
-        summary["processes"] = cfg.parallel.stages
-        summary["algorithm"] = None  # one replica: nothing is all-reduced
+        summary["processes"] = cfg.parallel.stages * cfg.cluster.workers
+        if cfg.cluster.workers == 1:
+            summary["algorithm"] = None  # one replica: nothing is all-reduced
         cpu = [rec["cpu_seconds"] for rec in stages.values() if "cpu_seconds" in rec]
         summary["cpu_seconds"] = sum(cpu) if cpu else None
         summary["cpu_seconds_by_role"] = {"stage": sum(cpu)} if cpu else {}
