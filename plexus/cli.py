@@ -88,7 +88,8 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(g, "warmup-steps", type=int, help="synchronous all-reduce steps before local SGD (default 0)")
     _flag(g, "elastic-alpha", type=float, help="EASGD moving rate (default 0.1)")
     g = parser.add_argument_group("cluster")
-    _flag(g, "workers", type=int, help="worker processes (default 1)")
+    _flag(g, "workers", type=int, help="worker processes (default 1); with --stages K, model replicas of K stages each")
+    _flag(g, "replicas", type=int, help="with --stages K: model replicas (R x K processes); another name for --workers")
     _flag(g, "servers", type=int, help="parameter-server processes")
     _flag(g, "host", help="address the rendezvous store binds to (default 127.0.0.1)")
     _flag(g, "port", type=int, help="rendezvous port (default 0: a free one)")
@@ -293,7 +294,14 @@ def job_config(args: argparse.Namespace, extra: dict[str, Any] | None = None):
     """Defaults < TOML file < flags < ``extra`` (a compare spec); each value keeps its
     source (file, flag, spec) and the keys left unset take their strategy's defaults."""
     from plexus.config import JobConfig
+    from plexus.errors import ConfigError
     flat = vars(args).copy()
+    if "replicas" in flat:  # --replicas R is --workers R (the replicas of --stages K)
+        replicas = flat.pop("replicas")
+        if flat.get("workers", replicas) != replicas:
+            raise ConfigError(f"--replicas {replicas} and --workers {flat['workers']} name the same count (model "
+                              f"replicas, the workers of --stages K): pass one of them")
+        flat["workers"] = replicas
     for key in ("command", "specs", "seeds", "simulate", "config", "print_config", "print_plan", "print_partition",
                 *LAUNCHER_KEYS, *SIMULATE_KEYS):
         flat.pop(key, None)
@@ -501,7 +509,7 @@ def _print_plan(cfg, world_size: int) -> None:
     per_node = int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else None
     print(f"{cfg.strategy.strategy}: {len(slots)} processes, {cfg.cluster.workers} workers, "
           f"--place {cfg.cluster.place}")
-    print(format_plan(slots, per_node))
+    print(format_plan(slots, per_node, cfg.parallel.stages))
 
 
 def _summary_line(summary: dict[str, Any]) -> str:

@@ -93,10 +93,14 @@ def plan_for_world(cfg: JobConfig, world_size: int) -> tuple[JobConfig, list[Slo
                       f"workers): world sizes that fit are {', '.join(map(str, sorted(set(fits))))}; {fix}")
 
 
-def format_plan(slots: list[Slot], per_node: int | None = None) -> str:
-    """The plan as lines ``rank  role  (node n)``, for ``plexus train --print-plan``."""
+def format_plan(slots: list[Slot], per_node: int | None = None, stages: int = 1) -> str:
+    """The plan as lines ``rank  role  (node n)``, for ``plexus train --print-plan``; a
+    stage of ``--stages`` K > 1 also names its replica and its stage in the replica."""
     lines = []
     for rank, slot in enumerate(slots):
         node = f"  node {rank // per_node}" if per_node else ""
-        lines.append(f"  rank {rank:>3}  {slot.name}{node}")
+        where = ""
+        if slot.role == "stage" and stages > 1:
+            where = f"  (replica {slot.rank // stages}, stage {slot.rank % stages})"
+        lines.append(f"  rank {rank:>3}  {slot.name}{where}{node}")
     return "\n".join(lines)

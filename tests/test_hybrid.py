@@ -1,0 +1,102 @@
+"""plexus train --stages K --workers R: R model-parallel replicas x K stages (parallel/executor.py).
+
+The oracle is the unpartitioned data-parallel run of the same job (--strategy allreduce
+--workers R, same seed and global batch, plain SGD): replica r reads worker r's slice of
+every global batch and stage k of every replica all-reduces its gradients (mean) with
+the others, so the saved model must be the same to float32 rounding. The cut edges'
+counters must equal the plan's per-replica prediction times R, the all-reduce counted apart."""
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from plexus.config import JobConfig
+from plexus.train.plan import format_plan, role_plan
+from test_cli import assert_usage_error
+from test_stages_run import BASE, _train, assert_same_model
+
+
+@pytest.mark.slow
+@pytest.mark.parallel
+def test_two_replicas_of_two_stages_equal_allreduce(tmp_path):
+    _, want = _train(tmp_path, "ar", model="mlp", strategy="allreduce", workers=2)
+    summary, got = _train(tmp_path, "hybrid", model="mlp", workers=2, stages=2)
+    assert_same_model(got, want)
+    assert summary["processes"] == 4 and summary["replicas"] == 2 and len(summary["stages"]) == 4
+    assert {(s["replica"], s["stage"]) for s in summary["stages"]} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    # mlp, --hidden 32: the cut carries 32 floats per sample each way, 16 samples per replica.
+    assert summary["traffic_matches_plan"] is True
+    rows = {(r["src"], r["dst"]): r for r in summary["stage_traffic"]}
+    assert set(rows) == {(0, 1), (1, 0)}
+    for row in rows.values():
+        assert row["messages_sent"] == row["messages_received"] == row["predicted_messages"] == 2 * 20
+        assert row["bytes_sent"] == row["bytes_received"] == row["predicted_bytes"] == 2 * 20 * 16 * 32 * 4
+    # Each stage group all-reduces its own parameters only, apart from the edges' bytes.
+    groups = {g["stage"]: g for g in summary["stage_allreduce"]}
+    assert set(groups) == {0, 1} and all(g["replicas"] == 2 for g in groups.values())
+    for k, group in groups.items():
+        assert group["bytes_sent"] == group["bytes_recv"] >= 20 * group["params"] * 4
+    for stage in summary["stages"]:
+        assert stage["bytes_sent"] == 20 * 16 * 32 * 4  # the edge only: no all-reduce bytes in it
+    assert summary["bytes_sent_per_worker"][0] == summary["bytes_sent_per_worker"][1] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parallel
+def test_replicas_of_stages_learn_as_allreduce_does(tmp_path):
+    flat = dict(model="mlp", steps=300, save_model=False, lr=0.1)
+    ar, _ = _train_nosave(tmp_path, "ar", strategy="allreduce", workers=2, **flat)
+    hybrid, _ = _train_nosave(tmp_path, "hybrid", workers=2, stages=2, **flat)
+    assert ar["final_test_accuracy"] > 0.5
+    assert hybrid["final_test_accuracy"] >= 0.9 * ar["final_test_accuracy"]
+
+
+def _train_nosave(tmp_path, name, **flat):
+    from plexus.train.job import run
+    summary = run({**BASE, **flat, "out": str(tmp_path / name)})
+    assert summary["status"] == "completed"
+    return summary, None
+
+
+@pytest.mark.slow
+@pytest.mark.parallel
+def test_two_replicas_of_three_tower_stages_traffic_equals_plan(tmp_path):
+    """towers cut into 3 stages (fan-out and a skip edge), 2 replicas, another algorithm:
+    every edge carries the plan's per-replica traffic twice."""
+    summary, _ = _train(tmp_path, "fan", model="towers", workers=2, stages=3, partition="manual",
+                        split_points="towers.0,towers.1", steps=7, algorithm="rhd")
+    assert summary["traffic_matches_plan"] is True and summary["processes"] == 6
+    assert summary["algorithm"] == "rhd"
+    rows = {(r["src"], r["dst"]): r for r in summary["stage_traffic"]}
+    assert set(rows) == {(0, 1), (0, 2), (1, 2), (2, 1)}
+    for row in rows.values():
+        assert row["messages_sent"] == row["messages_received"] == row["predicted_messages"] == 2 * 7
+        assert row["bytes_sent"] == row["bytes_received"] == row["predicted_bytes"] > 0
+    assert rows[(0, 1)]["bytes_sent"] == rows[(0, 2)]["bytes_sent"] == 2 * 7 * 16 * 64 * 4  # digits: 64 floats
+    groups = {g["stage"]: g for g in summary["stage_allreduce"]}
+    for k, group in groups.items():
+        assert (group["bytes_sent"] > 0) == (group["params"] > 0)
+
+
+def test_the_role_plan_gives_each_stage_its_replica():
+    cfg = JobConfig.from_flat({"dataset": "digits", "stages": 3, "workers": 2})
+    slots = role_plan(cfg)
+    assert [s.name for s in slots] == [f"stage {i}" for i in range(6)]
+    text = format_plan(slots, None, 3)
+    assert "rank   4  stage 4  (replica 1, stage 1)" in text
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--stages", "2", "--workers", "2", "--strategy", "ps"],
+     ("strategy ps over stages is not supported yet", "--strategy allreduce", "the one supported")),
+    (["--stages", "2", "--workers", "2", "--strategy", "gossip"], ("2 replicas x 2 stages", "allreduce")),
+    (["--stages", "2", "--replicas", "2", "--elastic"], ("--elastic over stages is not supported yet",)),
+    (["--stages", "2", "--replicas", "2", "--workers", "3"], ("--replicas 2 and --workers 3",)),
+    (["--stages", "2", "--workers", "2", "--checkpoint-every", "5"], ("--checkpoint-every with --stages 2",)),
+])
+def test_bad_replica_input_is_one_line_and_status_2(args, needles, capsys, tmp_path):
+    from plexus.cli import main
+    status = main(["train", "--dataset", "digits", "--out", str(tmp_path / "x"), *args])
+    err = capsys.readouterr().err
+    assert_usage_error(subprocess.CompletedProcess([], status, "", err), *needles)
