@@ -40,6 +40,9 @@ def test_two_replicas_of_two_stages_equal_allreduce(tmp_path):
     for stage in summary["stages"]:
         assert stage["bytes_sent"] == 20 * 16 * 32 * 4  # the edge only: no all-reduce bytes in it
     assert summary["bytes_sent_per_worker"][0] == summary["bytes_sent_per_worker"][1] > 0
+    # Small buckets: all-reduces start during backward, beside the edges' sends; same model.
+    _, got = _train(tmp_path, "buckets", model="mlp", workers=2, stages=2, bucket_mb=0.001, algorithm="ring")
+    assert_same_model(got, want)
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """Model parallelism: a model's fx graph cut into stages (``partition.py``, pure) and the
 stage programs that run them (``stages.py``); ``executor.py`` runs each stage in its own
-process (``plexus train --stages K``, the loop in ``train/stage_runner.py``)."""
+process (``plexus train --stages K``, the loop in ``train/stage_runner.py``), and with
+``--workers R`` runs R such replicas whose stage k all-reduce their gradients together."""
 from __future__ import annotations
 
 from plexus.parallel.partition import (METHODS, GraphNode, ModelGraph, Partition, PartitionPlan, Transfer,

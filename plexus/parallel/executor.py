@@ -304,7 +304,8 @@ class StageExecutor:
             recv[str(peer)] = [row["msgs_recv"], row["bytes_recv"]]
         predicted = {f"{s}->{d}": [m * steps, b * steps] for (s, d), (m, b) in self.plan.traffic().items()
                      if self.k in (s, d)}
-        return {"stage": self.k, "replica": self.replica, "steps": steps, "compute_seconds": self.compute_s, "idle_seconds": self.idle_s,
+        return {"stage": self.k, "replica": self.replica, "steps": steps, "compute_seconds": self.compute_s,
+                "idle_seconds": self.idle_s,
                 "peak_memory_bytes": peak_bytes(self.device),
                 "peak_memory_measure": "cuda allocator" if self.device.type == "cuda" else "ru_maxrss",
                 "params": sum(p.numel() for p in self.program.module.parameters()),
