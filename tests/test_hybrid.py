@@ -103,3 +103,15 @@ def test_bad_replica_input_is_one_line_and_status_2(args, needles, capsys, tmp_p
     status = main(["train", "--dataset", "digits", "--out", str(tmp_path / "x"), *args])
     err = capsys.readouterr().err
     assert_usage_error(subprocess.CompletedProcess([], status, "", err), *needles)
+
+
+@pytest.mark.slow
+def test_a_failing_replica_fails_the_job_without_a_hang(tmp_path, capfd):
+    """A non-finite loss on an output stage ends every replica's stages (each loses its
+    links or its replica group), with one line naming a stage."""
+    from plexus.errors import JobFailed
+    from plexus.train.job import run
+    with pytest.raises(JobFailed, match=r"stage \d exited with status [13]"):
+        run({**BASE, "model": "mlp", "workers": 2, "stages": 2, "lr": 1e6, "timeout": 20,
+              "out": str(tmp_path / "nan")})
+    assert "the training loss became nan" in capfd.readouterr().err
