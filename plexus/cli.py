@@ -473,6 +473,7 @@ def _print_partition(cfg) -> None:
     for the configured model and dataset, at each replica's slice of the batch."""
     import torch
     from plexus.parallel.partition import format_plan, plan_partitions, trace_model
+    from plexus.strategies.base import make_optimizer
     from plexus.train.data import load_dataset
     from plexus.train.models import build_model
     data = load_dataset(cfg.data, cfg.run.seed)
@@ -485,7 +486,8 @@ def _print_partition(cfg) -> None:
     if cfg.cluster.threads:  # profile with the threads each stage's process will have
         torch.set_num_threads(cfg.cluster.threads)
     try:
-        graph = trace_model(model, data.x_train[:batch], profile=cfg.parallel.partition == "time")
+        graph = trace_model(model, data.x_train[:batch], profile=cfg.parallel.partition == "time",
+                            optimizer=lambda params: make_optimizer(params, cfg.optim))
     finally:
         torch.set_num_threads(threads)
     # Optimizer state per parameter: momentum's buffer, Adam's two moments, Adagrad's sum.

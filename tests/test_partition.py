@@ -212,6 +212,25 @@ def test_time_method_profiles_and_respects_the_memory_cap(digits):
         plan_partitions(graph, 3, "uniform", memory_cap=tightest)
 
 
+def test_profile_times_the_optimizer_step_of_each_nodes_parameters(digits):
+    """A stage's compute includes its optimizer's step, so a profile given the optimizer
+    prices it on the nodes that own parameters, and leaves the model as it was."""
+    model = _model("deep-mlp", digits, hidden=64)
+    before = copy.deepcopy(model.state_dict())
+    graph = trace_model(model, _batch(digits)[0], profile=True, repeats=1,
+                        optimizer=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
+    assert all((n.step_s > 0) == bool(n.params) for n in graph.compute)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    plan = plan_partitions(graph, 3, "time")
+    for part in plan.partitions:
+        nodes = [graph.by_name[n] for n in part.nodes]
+        assert part.compute_s == pytest.approx(sum(n.forward_s + n.backward_s + n.step_s for n in nodes))
+        assert part.time_s >= part.compute_s > 0
+    # Without an optimizer the step is not priced (and not profiled at all unprofiled).
+    assert all(n.step_s == 0 for n in trace_model(model, _batch(digits)[0], profile=True, repeats=1).nodes)
+
+
 def test_a_layer_larger_than_the_cap_has_no_legal_cut(digits):
     graph = trace_model(_model("deep-mlp", digits, hidden=256), _batch(digits)[0])
     with pytest.raises(ConfigError, match=r"node net_3 \(net\.3\) alone needs .* no cut is legal") as err:
@@ -408,7 +427,7 @@ def _naive_range(graph, costs, lo: int, hi: int) -> tuple[float, int, int, int, 
     params = sum(n.param_bytes for n in inside)
     memory = 3 * params + sum(n.out_bytes for n in inside if n.op != "get_attr") + sum(v.out_bytes for v in received)
     comm = sum(1 + v.out_grad for v in crossing) * 1e-4 + sum(v.out_bytes * (1 + v.out_grad) for v in crossing) / 1e8
-    seconds = sum(n.forward_s + n.backward_s for n in inside) + comm
+    seconds = sum(n.forward_s + n.backward_s + n.step_s for n in inside) + comm
     return seconds, memory, params, sum(v.out_bytes for v in received), sum(v.out_bytes for v in sent)
 
 

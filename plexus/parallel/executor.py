@@ -49,7 +49,7 @@ from typing import Any, Callable
 import torch
 
 from plexus.cluster.group import Group, Link, Work
-from plexus.cluster.rendezvous import store_get_json, store_set_json, wait_keys
+from plexus.cluster.rendezvous import store_barrier, store_get_json, store_set_json, wait_keys
 from plexus.cluster.traffic import Traffic
 from plexus.collectives import get_algorithm
 from plexus.collectives.base import Handle
@@ -96,11 +96,15 @@ def check_stages(cfg: JobConfig) -> None:
 
 
 def make_plan(cfg: JobConfig, model: torch.nn.Module, sample: torch.Tensor,
-              split_points: tuple[str, ...] | None = None) -> tuple[ModelGraph, PartitionPlan]:
+              split_points: tuple[str, ...] | None = None,
+              optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None
+              ) -> tuple[ModelGraph, PartitionPlan]:
     """The traced graph and the configured plan; with ``split_points``, the plan cut at
-    those nodes instead (manual), which is how the stages share one profiled plan."""
+    those nodes instead (manual), which is how the stages share one profiled plan. A
+    profile (--partition time) also times a step of ``optimizer`` when given, since each
+    stage's compute includes its optimizer's step."""
     profile = split_points is None and cfg.parallel.partition == "time"
-    graph = trace_model(model, sample, profile=profile)
+    graph = trace_model(model, sample, profile=profile, optimizer=optimizer)
     inputs = [n.name for n in graph.nodes if n.op == "placeholder"]
     if len(inputs) != 1:
         raise ConfigError(f"--stages {cfg.parallel.stages} runs models that take one input (a batch), and "
@@ -115,23 +119,33 @@ def make_plan(cfg: JobConfig, model: torch.nn.Module, sample: torch.Tensor,
     return graph, plan
 
 
-# Where stage 0 leaves the cut of a profiled plan (--partition time) for the others.
+# Where stage 0 leaves the cut of a profiled plan (--partition time) for the others, and
+# its predicted seconds per step for every stage, [[compute, compute + transfers], ...].
 SPLIT_KEY = "stages/split_points"
+PREDICTED_KEY = "stages/predicted"
 
 
-def shared_plan(cfg: JobConfig, k: int, store, model: torch.nn.Module, sample: torch.Tensor
-                 ) -> tuple[ModelGraph, PartitionPlan]:
-    """The plan every stage runs. uniform, params and manual are deterministic, so each
-    stage makes its own. time depends on seconds measured in one process: stage 0 profiles
-    and plans, and publishes the first node of each stage after the first; every stage,
-    stage 0 too, then cuts its unprofiled trace at those nodes, so all hold one plan."""
+def shared_plan(cfg: JobConfig, k: int, store, model: torch.nn.Module, sample: torch.Tensor,
+                optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None
+                ) -> tuple[ModelGraph, PartitionPlan, list[list[float]] | None]:
+    """The plan every stage runs, and (time only) the profiled plan's predicted seconds
+    per step of each stage, [compute, compute + transfers]. uniform, params and manual
+    are deterministic, so each stage makes its own. time depends on seconds measured in
+    one process: stage 0 profiles and plans, and publishes the first node of each stage
+    after the first; every stage, stage 0 too, then cuts its unprofiled trace at those
+    nodes, so all hold one plan. Stage 0 profiles only once every stage has built its
+    model: on two cores, a profile taken while the others import torch and load data
+    measured each node up to twice its time, and so cut where no contention would."""
     if cfg.parallel.partition != "time":
-        return make_plan(cfg, model, sample)
+        return (*make_plan(cfg, model, sample), None)
+    store_barrier(store, "stages/built", cfg.parallel.stages * cfg.cluster.workers, cfg.cluster.timeout)
     if k == 0:
-        _, plan = make_plan(cfg, model, sample)
+        _, plan = make_plan(cfg, model, sample, optimizer=optimizer)
+        store_set_json(store, PREDICTED_KEY, [[p.compute_s, p.time_s] for p in plan.partitions])
         store_set_json(store, SPLIT_KEY, [p.compute[0] for p in plan.partitions[1:]])
     wait_keys(store, [SPLIT_KEY], cfg.cluster.timeout, "stage 0's profiled plan")
-    return make_plan(cfg, model, sample, tuple(store_get_json(store, SPLIT_KEY)))
+    graph, plan = make_plan(cfg, model, sample, tuple(store_get_json(store, SPLIT_KEY)))
+    return graph, plan, store_get_json(store, PREDICTED_KEY)
 
 
 def stage_name(k: int) -> str:
@@ -304,7 +318,8 @@ class StageExecutor:
             recv[str(peer)] = [row["msgs_recv"], row["bytes_recv"]]
         predicted = {f"{s}->{d}": [m * steps, b * steps] for (s, d), (m, b) in self.plan.traffic().items()
                      if self.k in (s, d)}
-        return {"stage": self.k, "replica": self.replica, "steps": steps, "compute_seconds": self.compute_s,
+        return {"stage": self.k, "replica": self.replica, "steps": steps,
+                "nodes": list(self.plan.partitions[self.k].compute), "compute_seconds": self.compute_s,
                 "idle_seconds": self.idle_s,
                 "peak_memory_bytes": peak_bytes(self.device),
                 "peak_memory_measure": "cuda allocator" if self.device.type == "cuda" else "ru_maxrss",
@@ -366,7 +381,10 @@ def stage_summary(records: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """The summary's per-stage figures (compute and idle seconds, peak memory, bytes over
     the cut edges, bytes of model snapshots sent to the output stage and, with replicas,
     bytes of the replica group's all-reduce, which the edges do not count) and cut-edge
-    traffic, measured beside predicted, summed over the replicas:
+    traffic, measured beside predicted, summed over the replicas. Each stage also names
+    its computing nodes and, under --partition time, the profiled plan's prediction for
+    the run's steps: ``predicted_compute_seconds`` (forward, backward and optimizer step,
+    as ``compute_seconds`` counts) and ``predicted_seconds`` (with its transfers).
     ``traffic_matches_plan`` is true when, in every replica and on every edge (src, dst),
     the messages and bytes src sent, those dst received, and the plan's prediction for the
     steps made are all equal (so the totals are the plan's per-replica traffic times R).
@@ -389,7 +407,8 @@ def stage_summary(records: dict[int, dict[str, Any]]) -> dict[str, Any]:
              "messages_received": e["received"][0], "bytes_received": e["received"][1],
              "predicted_messages": e["predicted"][0], "predicted_bytes": e["predicted"][1]}
             for (src, dst), e in sorted(totals.items())]
-    keys = ("stage", "replica", "compute_seconds", "idle_seconds", "peak_memory_bytes", "peak_memory_measure",
+    keys = ("stage", "replica", "nodes", "compute_seconds", "predicted_compute_seconds", "predicted_seconds",
+            "idle_seconds", "peak_memory_bytes", "peak_memory_measure",
             "params", "bytes_sent", "bytes_recv", "snapshot_bytes_sent", "allreduce_bytes_sent", "allreduce_seconds")
     ordered = sorted(records.values(), key=lambda r: (r.get("replica", 0), r["stage"]))
     stages = [{key: rec[key] for key in keys if key in rec} for rec in ordered]

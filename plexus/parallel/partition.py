@@ -29,7 +29,7 @@ import math
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Literal, Sequence
+from typing import Any, Callable, Iterator, Literal, Sequence
 
 import torch
 from torch import fx, nn
@@ -89,6 +89,11 @@ class GraphNode:
     # Profiled seconds of forward and of backward for the sample batch (0 unprofiled).
     forward_s: float = 0.0
     backward_s: float = 0.0
+    # Profiled seconds of the optimizer's step over the parameters it owns (0 unprofiled,
+    # profiled without an optimizer, or owning none). A stage's process steps its optimizer
+    # inside the compute it is timed for, and for SGD with momentum over a large Linear that
+    # step is a fifth of the layer's forward and backward: left out, plans under-predict.
+    step_s: float = 0.0
 
     @property
     def computes(self) -> bool:
@@ -151,15 +156,18 @@ class Partition:
     params: tuple[str, ...]
     param_bytes: int
     param_count: int
-    # Predicted seconds per step: profiled forward + backward (0 unprofiled) plus its
-    # transfers, forward and gradients back, at the plan's latency and bandwidth, with a
-    # value sent to several stages priced once (_Costs.measure).
+    # Predicted seconds per step: profiled forward + backward + optimizer step (0
+    # unprofiled) plus its transfers, forward and gradients back, at the plan's latency and
+    # bandwidth, with a value sent to several stages priced once (_Costs.measure).
     time_s: float
     # Predicted bytes: params, grads, optimizer state, activations and received values.
     memory_bytes: int
     # Bytes per step received and sent forward (send-once; gradients go the other way).
     bytes_in: int
     bytes_out: int
+    # The compute part of time_s: profiled forward + backward + optimizer step of its
+    # nodes, what a stage's process counts as its compute_seconds per step.
+    compute_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -291,13 +299,16 @@ def _fresh_leaf(v: Any) -> Any:
     return v
 
 
-def trace_model(model: nn.Module, sample: torch.Tensor, *, profile: bool = False, repeats: int = 3) -> ModelGraph:
+def trace_model(model: nn.Module, sample: torch.Tensor, *, profile: bool = False, repeats: int = 3,
+                optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None) -> ModelGraph:
     """Trace ``model`` with torch.fx and measure each node on ``sample`` (a batch).
 
     A model that fx cannot trace raises ConfigError naming the first call that failed,
     unless it is an nn.Sequential: then its direct children become opaque nodes.
-    ``profile`` times each node's forward and backward (the ``time`` method needs it);
-    it leaves the model's parameters with ``.grad`` None.
+    ``profile`` times each node's forward and backward (the ``time`` method needs it)
+    and, given ``optimizer`` (a factory over a list of parameters, as each stage makes
+    its own), one step of it over copies of the parameters each node owns; it leaves
+    the model's parameters with ``.grad`` None and their values untouched.
     """
     gm = _symbolic(model)
     recorder = _Recorder(gm, repeats if profile else 0)
@@ -334,6 +345,7 @@ def trace_model(model: nn.Module, sample: torch.Tensor, *, profile: bool = False
         mine = [(q, p) for q, p in named if id(p) not in owned]
         owned.update(id(p) for _, p in mine)
         fwd, bwd = recorder.times.get(n.name, (0.0, 0.0))
+        step = _time_step(optimizer, [p for _, p in mine], repeats) if profile and optimizer and mine else 0.0
         shape, dtype = recorder.out_meta.get(n.name, (None, None))
         batch_dim = _batch_dim(shape, bigger.out_meta.get(n.name, (None, None))[0])
         target = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
@@ -342,8 +354,26 @@ def trace_model(model: nn.Module, sample: torch.Tensor, *, profile: bool = False
             params=tuple(q for q, _ in mine), param_bytes=sum(p.numel() * p.element_size() for _, p in mine),
             param_count=sum(p.numel() for _, p in mine), out_bytes=recorder.out_bytes.get(n.name, 0),
             out_grad=recorder.out_grad.get(n.name, False), out_shape=shape, out_dtype=dtype, batch_dim=batch_dim,
-            forward_s=fwd, backward_s=bwd))
+            forward_s=fwd, backward_s=bwd, step_s=step))
     return ModelGraph(module=gm, nodes=tuple(nodes), output=output, batch=int(sample.shape[0]), profiled=profile)
+
+
+def _time_step(optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer], params: list[nn.Parameter],
+               repeats: int) -> float:
+    """Seconds of one step of ``optimizer`` over copies of ``params`` with made-up
+    gradients: the fastest of ``repeats`` after one untimed step, which creates the
+    optimizer's state (momentum buffers, Adam's moments) as a run's first step does."""
+    copies = [nn.Parameter(p.detach().clone()) for p in params]
+    for c in copies:
+        c.grad = torch.full_like(c, 1e-3)
+    opt = optimizer(copies)
+    best = math.inf
+    for attempt in range(max(1, repeats) + 1):
+        start = time.perf_counter()
+        opt.step()
+        if attempt:
+            best = min(best, time.perf_counter() - start)
+    return best
 
 
 def _batch_dim(shape: tuple[int, ...] | None, bigger: tuple[int, ...] | None) -> int | None:
@@ -405,7 +435,7 @@ class _Costs:
         for hi in range(lo + 1, len(self.compute) + 1):
             for node in self.at[hi - 1]:
                 inside.add(node.name)
-                compute_s += node.forward_s + node.backward_s
+                compute_s += node.forward_s + node.backward_s + node.step_s
                 params += node.param_bytes
                 activations += node.out_bytes if node.op != "get_attr" else 0
                 for i in node.inputs:
@@ -588,7 +618,8 @@ def _make_plan(graph: ModelGraph, costs: _Costs, method: str, cuts: list[int], c
             params=tuple(q for i in infos for q in i.params), param_bytes=sum(i.param_bytes for i in infos),
             param_count=sum(i.param_count for i in infos), time_s=seconds, memory_bytes=memory,
             bytes_in=sum(t.nbytes for t in transfers if t.dst == s),
-            bytes_out=sum(t.nbytes for t in transfers if t.src == s)))
+            bytes_out=sum(t.nbytes for t in transfers if t.src == s),
+            compute_s=sum(i.forward_s + i.backward_s + i.step_s for i in infos)))
     _check_shared_weights(graph, assignment)
     return PartitionPlan(method=method, batch=graph.batch, partitions=tuple(partitions), transfers=tuple(transfers),
                          assignment=assignment, output_stage=assignment[graph.output])

@@ -67,7 +67,8 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
         data, model = data.to_dtype(torch.float64), model.double()
     batch = cfg.run.batch_size
     share = batch // replicas  # this replica's samples per step (config checks B % R == 0)
-    graph, plan = shared_plan(cfg, i, store, model, data.x_train[:share])
+    graph, plan, predicted = shared_plan(cfg, i, store, model, data.x_train[:share],
+                                         optimizer=lambda params: make_optimizer(params, cfg.optim))
     programs = build_stages(graph, plan)
     program = programs[k]
     program.module.to(device)
@@ -148,6 +149,9 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
                     break
         wall = clock()
         record = {**own.figures(steps_done), "wall_seconds": wall}
+        if predicted is not None:  # per step, for the steps made: beside compute_seconds
+            record["predicted_compute_seconds"] = predicted[k][0] * steps_done
+            record["predicted_seconds"] = predicted[k][1] * steps_done
         merged = gather_state(own, programs) if r == 0 else None
         record["snapshot_bytes_sent"] = own.gather_traffic.bytes_sent  # the final gather's too
         store_set_json(store, f"stats/stage/{i}", record)
