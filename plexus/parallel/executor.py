@@ -134,8 +134,9 @@ def shared_plan(cfg: JobConfig, k: int, store, model: torch.nn.Module, sample: t
     one process: stage 0 profiles and plans, and publishes the first node of each stage
     after the first; every stage, stage 0 too, then cuts its unprofiled trace at those
     nodes, so all hold one plan. Stage 0 profiles only once every stage has built its
-    model: on two cores, a profile taken while the others import torch and load data
-    measured each node up to twice its time, and so cut where no contention would."""
+    model: on two cores, a profile taken while the others still import torch and load
+    data would time the nodes under that contention, which the training steps do not
+    have."""
     if cfg.parallel.partition != "time":
         return (*make_plan(cfg, model, sample), None)
     store_barrier(store, "stages/built", cfg.parallel.stages * cfg.cluster.workers, cfg.cluster.timeout)

@@ -24,8 +24,11 @@ gradient once back, when it has one). The executor's link counters must equal th
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import linecache
 import math
+import statistics
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -91,8 +94,9 @@ class GraphNode:
     backward_s: float = 0.0
     # Profiled seconds of the optimizer's step over the parameters it owns (0 unprofiled,
     # profiled without an optimizer, or owning none). A stage's process steps its optimizer
-    # inside the compute it is timed for, and for SGD with momentum over a large Linear that
-    # step is a fifth of the layer's forward and backward: left out, plans under-predict.
+    # inside the compute it is timed for, and for SGD with momentum over a 1024 x 1024
+    # Linear that step took 0.9 ms against 3.1 ms for its forward and backward at batch 64
+    # (one thread, this machine): left out, plans under-predict by a fifth or more.
     step_s: float = 0.0
 
     @property
@@ -112,6 +116,13 @@ class ModelGraph:
     # Samples in the batch that out_bytes and the profiled times were measured on.
     batch: int
     profiled: bool = False
+    # What the profiled node times were multiplied by (1 unprofiled): the median time of
+    # a whole training step of the model over the sum of its nodes' isolated times
+    # (_whole_step). A node timed alone, the fastest of a few back-to-back runs, runs
+    # hotter than it does inside a step: on this machine deep-mlp's (--hidden 1024, batch
+    # 64, one thread) summed to 0.82 to 0.87 of its step, and the stages' measured compute
+    # was 1.20 to 1.25 times the uncalibrated prediction (docs/results/partition.md).
+    calibration: float = 1.0
     by_name: dict[str, GraphNode] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -279,6 +290,9 @@ class _Recorder(fx.Interpreter):
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         fwd = bwd = math.inf
         for attempt in range(self.repeats + 1):  # the first warms up (backward's first call allocates)
+            # No .grad to add into: a stage zeroes its gradients to None every step, so its
+            # backward writes each parameter's gradient afresh rather than accumulating.
+            self.module.zero_grad(set_to_none=True)
             a, k = fx.node.map_aggregate((args, kwargs), _fresh_leaf)
             start = time.perf_counter()
             out = getattr(self, n.op)(n.target, a, k)
@@ -307,8 +321,10 @@ def trace_model(model: nn.Module, sample: torch.Tensor, *, profile: bool = False
     unless it is an nn.Sequential: then its direct children become opaque nodes.
     ``profile`` times each node's forward and backward (the ``time`` method needs it)
     and, given ``optimizer`` (a factory over a list of parameters, as each stage makes
-    its own), one step of it over copies of the parameters each node owns; it leaves
-    the model's parameters with ``.grad`` None and their values untouched.
+    its own), one step of it over copies of the parameters each node owns; then it
+    scales every node's times so that they sum to a whole training step of a copy of
+    the model (``ModelGraph.calibration``). It leaves the model's parameters with
+    ``.grad`` None and their values untouched.
     """
     gm = _symbolic(model)
     recorder = _Recorder(gm, repeats if profile else 0)
@@ -320,6 +336,7 @@ def trace_model(model: nn.Module, sample: torch.Tensor, *, profile: bool = False
     with torch.random.fork_rng(devices=[]), torch.enable_grad():
         recorder.run(sample)
         bigger.run(torch.cat([sample, sample[:1]]))
+        whole = _whole_step(gm, sample, optimizer, repeats) if profile else 0.0
     with torch.no_grad():
         for name, b in gm.named_buffers():
             b.copy_(buffers[name])
@@ -355,7 +372,37 @@ def trace_model(model: nn.Module, sample: torch.Tensor, *, profile: bool = False
             param_count=sum(p.numel() for _, p in mine), out_bytes=recorder.out_bytes.get(n.name, 0),
             out_grad=recorder.out_grad.get(n.name, False), out_shape=shape, out_dtype=dtype, batch_dim=batch_dim,
             forward_s=fwd, backward_s=bwd, step_s=step))
-    return ModelGraph(module=gm, nodes=tuple(nodes), output=output, batch=int(sample.shape[0]), profiled=profile)
+    scale = 1.0
+    isolated = sum(n.forward_s + n.backward_s + n.step_s for n in nodes)
+    if profile and whole > 0 and isolated > 0:
+        scale = whole / isolated
+        nodes = [dataclasses.replace(n, forward_s=n.forward_s * scale, backward_s=n.backward_s * scale,
+                                     step_s=n.step_s * scale) for n in nodes]
+    return ModelGraph(module=gm, nodes=tuple(nodes), output=output, batch=int(sample.shape[0]), profiled=profile,
+                      calibration=scale)
+
+
+def _whole_step(gm: fx.GraphModule, sample: torch.Tensor,
+                optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None, repeats: int) -> float:
+    """Median seconds of a whole training step of a copy of the model on ``sample``
+    (of ``repeats`` steps, at least 5, after two untimed ones): zero the gradients to
+    None, forward, backward seeded with ones (as the nodes are timed), and a step of
+    ``optimizer`` when given."""
+    model = copy.deepcopy(gm)
+    params = list(model.parameters())
+    opt = optimizer(params) if optimizer is not None and params else None
+    times = []
+    for attempt in range(max(5, repeats) + 2):  # a step is long: a median of 5 or more is steady
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        outs = [t for t in _tensors(model(sample)) if t.requires_grad]
+        if outs:
+            torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+        if opt is not None:
+            opt.step()
+        if attempt >= 2:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _time_step(optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer], params: list[nn.Parameter],
