@@ -67,6 +67,12 @@ def test_time_partition_is_profiled_once_and_shared(tmp_path):
     summary, got = _train(tmp_path, "time", model="mlp", stages=3, partition="time", steps=5)
     assert_same_model(got, want)
     assert summary["traffic_matches_plan"] is True and len(summary["stages"]) == 3
+    # Each stage names its nodes (together, every computing node once, in order) and the
+    # profiled plan's prediction for the steps made, beside what it measured.
+    nodes = [n for stage in summary["stages"] for n in stage["nodes"]]
+    assert len(nodes) == len(set(nodes)) and all(stage["nodes"] for stage in summary["stages"])
+    for stage in summary["stages"]:
+        assert stage["predicted_seconds"] >= stage["predicted_compute_seconds"] > 0
 
 
 @pytest.mark.slow
