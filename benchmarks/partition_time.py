@@ -18,7 +18,7 @@ script profiles the model as stage 0 would (same seed, sample, one thread, optim
 and prices the run's cut. The goal (issue 13): the time cut's slowest stage measured
 within 15 % of its prediction.
 
-    python benchmarks/partition_time.py                      # about 2 minutes
+    python benchmarks/partition_time.py                      # about 40 s on 2 cores
     python benchmarks/partition_time.py --stages 4 --stage-memory 30MB --hidden 1024
 """
 from __future__ import annotations
