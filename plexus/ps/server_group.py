@@ -33,6 +33,7 @@ class ServerGroup:
         self.lock = threading.Lock()
         self.taken: list[tuple[ParameterServer, threading.Thread]] = []
         self.standbys: dict[int, Standby] = {}
+        self.store_closed = False  # a spare saw the job's store close as the job ended
         for shard in replicated_shards(host, self.shards, cfg.strategy.replication) if host < self.shards else []:
             self._follow(shard)
         self._stop = threading.Event()
@@ -73,19 +74,34 @@ class ServerGroup:
     def _serve(self, server: ParameterServer) -> None:
         record: dict[str, Any] = server.serve()
         if server.moved_to is None:  # a shard that moved on is recorded by its last server
-            store_set_json(self.store, f"stats/server/{server.index}", record)
+            try:
+                store_set_json(self.store, f"stats/server/{server.index}", record)
+            except dist.DistError as exc:  # a spare outside the launcher: the job may be gone
+                logger.warning("server %d: shard %d's record not kept: the job's store closed (%s)", self.host,
+                               server.index, exc)
 
     def wait_for_the_job(self) -> None:
-        """A spare's main loop: until every shard of the job has drained."""
+        """A spare's main loop: until every shard of the job has drained. The job's store
+        may close between two looks once the last shard drained (the launcher ends the
+        job once its own processes have): that ends the wait too, when every shard this
+        server took over had drained."""
         keys = [KEYS.drained(s) for s in range(self.shards)]
-        while not self.store.check(keys):
-            time.sleep(0.1)
+        try:
+            while not self.store.check(keys):
+                time.sleep(0.1)
+        except dist.DistError as exc:
+            with self.lock:
+                undrained = [server.index for server, _ in self.taken if not server.drained]
+            if undrained:
+                raise
+            logger.warning("server %d: the job ended (its store closed: %s)", self.host, exc)
+            self.store_closed = True
 
     def finish(self) -> None:
         """Once this server's own shard is done: wait for the standbys (their primaries send
         a final state when they drain; a server that drained itself stops following) and for
         the shards taken over to drain."""
-        leaving = self.store.check([KEYS.draining(self.host)])
+        leaving = self.store_closed or self.store.check([KEYS.draining(self.host)])
         deadline = time.monotonic() + 2 * self.cfg.cluster.timeout
         with self.lock:
             standbys = list(self.standbys.values())
