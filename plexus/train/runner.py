@@ -12,8 +12,11 @@ import logging
 import math
 import time
 from pathlib import Path
+from typing import Callable
+
 import numpy as np
 import torch
+from torch import nn
 
 from plexus.cluster.emulation import Emulator
 from plexus.cluster.liveness import exited_key
@@ -316,20 +319,11 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
         if evaluator is not None:
             evaluator.close()
         if final is not None:
-            final_loss, final_acc = evaluate(final, data.x_test, data.y_test, device)
-            if not evaluator.results or evaluator.results[-1].step != steps_done:
-                total = store.add(_SAMPLES_KEY, 0) if shared_samples else \
-                    (strategy.job_step() if catch_up else steps_done) * samples_per_step
-                evaluator.record(Evaluation(step=steps_done, time=wall, samples=total, accuracy=final_acc,
-                                            loss=final_loss))
-            if run_dir is not None and cfg.run.save_model:
-                torch.save(final.state_dict(), run_dir / "model.pt")
-            store_set_json(store, "stats/eval", {
-                "final_test_accuracy": final_acc, "final_test_loss": final_loss, "steps": steps_done,
-                "wall_seconds": wall, "time_to_target": evaluator.time_to_target,
-                "evaluations": len(evaluator.results), "skipped": evaluator.skipped,
-                "replica_test_accuracy": replica_acc, "replica_test_loss": replica_loss,
-                "chance_accuracy": 1 / classes if classes else None})
+            record_final_evaluation(
+                final, data, device, evaluator, store, cfg, run_dir, steps=steps_done, wall=wall,
+                samples=lambda: store.add(_SAMPLES_KEY, 0) if shared_samples else
+                (strategy.job_step() if catch_up else steps_done) * samples_per_step,
+                replica=(replica_acc, replica_loss))
         store_set_json(store, f"stats/worker/{rank}", {
             **record(wall, loss), "update_budget": budget.total if budget is not None else None,
             "checkpoints": checkpointer.written if checkpointer is not None else [],
@@ -370,6 +364,29 @@ def _target_recorder(store, cfg: JobConfig):
         return None
     own = store.clone()  # the evaluator thread must not share the training thread's connection
     return lambda seconds: store_set_json(own, "stats/target", {"time": seconds})
+
+
+def record_final_evaluation(model: nn.Module, data: Dataset, device: torch.device, evaluator: SnapshotEvaluator,
+                            store, cfg: JobConfig, run_dir: Path | None, *, steps: int, wall: float,
+                            samples: Callable[[], int],
+                            replica: tuple[float | None, float | None] = (None, None)) -> None:
+    """The job's final evaluation, by the process that holds the whole final model: test
+    ``model``, record it as the last snapshot unless one is at ``steps`` already
+    (``samples()`` trained on by then), save it under ``--save-model``, and leave the
+    ``stats/eval`` record the summary reads (``replica``: one replica's own accuracy and
+    loss, where the strategy's global model is not a replica's)."""
+    loss, accuracy = evaluate(model, data.x_test, data.y_test, device)
+    if not evaluator.results or evaluator.results[-1].step != steps:
+        evaluator.record(Evaluation(step=steps, time=wall, samples=samples(), accuracy=accuracy, loss=loss))
+    if run_dir is not None and cfg.run.save_model:
+        torch.save(model.state_dict(), run_dir / "model.pt")
+    classes = data.num_classes if data.task == "classification" else None
+    store_set_json(store, "stats/eval", {
+        "final_test_accuracy": accuracy, "final_test_loss": loss, "steps": steps,
+        "wall_seconds": wall, "time_to_target": evaluator.time_to_target,
+        "evaluations": len(evaluator.results), "skipped": evaluator.skipped,
+        "replica_test_accuracy": replica[0], "replica_test_loss": replica[1],
+        "chance_accuracy": 1 / classes if classes else None})
 
 
 def role_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None) -> None:

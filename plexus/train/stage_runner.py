@@ -32,12 +32,12 @@ from plexus.parallel.stages import build_stages
 from plexus.strategies.base import make_optimizer
 from plexus.train.batches import GlobalBatches
 from plexus.train.data import load_dataset
-from plexus.train.evaluation import Evaluation, SnapshotEvaluator, evaluate
+from plexus.train.evaluation import SnapshotEvaluator
 from plexus.train.health import Health, hint
 from plexus.train.metrics import MetricsLog
 from plexus.train.models import build_model
 from plexus.train.progress import STEPS_KEY
-from plexus.train.runner import NonFiniteLoss, resolve_device, total_steps
+from plexus.train.runner import NonFiniteLoss, record_final_evaluation, resolve_device, total_steps
 
 __all__ = ["stage_main"]
 
@@ -158,18 +158,8 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
         if merged is not None:
             whole.load_state_dict(merged)
             evaluator.close()
-            final_loss, final_acc = evaluate(whole, data.x_test, data.y_test, device)
-            if not evaluator.results or evaluator.results[-1].step != steps_done:
-                evaluator.record(Evaluation(step=steps_done, time=wall, samples=steps_done * batch,
-                                            accuracy=final_acc, loss=final_loss))
-            if run_dir is not None and cfg.run.save_model:
-                torch.save(whole.state_dict(), run_dir / "model.pt")
-            store_set_json(store, "stats/eval", {
-                "final_test_accuracy": final_acc, "final_test_loss": final_loss, "steps": steps_done,
-                "wall_seconds": wall, "time_to_target": evaluator.time_to_target,
-                "evaluations": len(evaluator.results), "skipped": evaluator.skipped,
-                "replica_test_accuracy": None, "replica_test_loss": None,
-                "chance_accuracy": 1 / classes if classes else None})
+            record_final_evaluation(whole, data, device, evaluator, store, cfg, run_dir, steps=steps_done, wall=wall,
+                                    samples=lambda: steps_done * batch)
         if k == g:
             mine = [r * stages + j for j in range(stages)]
             wait_keys(store, [f"stats/stage/{j}" for j in mine], cfg.cluster.timeout,
