@@ -97,21 +97,24 @@ def check_stages(cfg: JobConfig) -> None:
 
 def make_plan(cfg: JobConfig, model: torch.nn.Module, sample: torch.Tensor,
               split_points: tuple[str, ...] | None = None,
-              optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None
-              ) -> tuple[ModelGraph, PartitionPlan]:
+              optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
+              check_only: bool = False) -> tuple[ModelGraph, PartitionPlan]:
     """The traced graph and the configured plan; with ``split_points``, the plan cut at
     those nodes instead (manual), which is how the stages share one profiled plan. A
     profile (--partition time) also times a step of ``optimizer`` when given, since each
-    stage's compute includes its optimizer's step."""
-    profile = split_points is None and cfg.parallel.partition == "time"
-    graph = trace_model(model, sample, profile=profile, optimizer=optimizer)
+    stage's compute includes its optimizer's step. ``check_only`` (the launcher's check
+    of bad input) profiles nothing: time is planned as params, whose legal cuts under
+    the memory cap are the same (both search every cut under it)."""
+    method = cfg.parallel.partition if split_points is None else "manual"
+    if check_only and method == "time":
+        method = "params"
+    graph = trace_model(model, sample, profile=method == "time", optimizer=optimizer)
     inputs = [n.name for n in graph.nodes if n.op == "placeholder"]
     if len(inputs) != 1:
         raise ConfigError(f"--stages {cfg.parallel.stages} runs models that take one input (a batch), and "
                           f"{cfg.model.model} takes {len(inputs)} ({', '.join(inputs)}): pass --stages 1")
     optim = cfg.optim
     slots = {"adam": 2, "adagrad": 1}.get(optim.optimizer, 1 if optim.momentum > 0 else 0)
-    method = cfg.parallel.partition if split_points is None else "manual"
     points = cfg.parallel.split_point_names if split_points is None else split_points
     plan = plan_partitions(graph, cfg.parallel.stages, method, split_points=points,
                            memory_cap=cfg.parallel.stage_memory_bytes, optimizer_slots=slots,

@@ -62,7 +62,7 @@ def validate(cfg: JobConfig):
         sample = data.x_train[:cfg.run.batch_size // cfg.cluster.workers]  # one replica's share
         if cfg.model.dtype == "float64":
             model, sample = model.double(), sample.double() if sample.is_floating_point() else sample
-        make_plan(cfg, model, sample)
+        make_plan(cfg, model, sample, check_only=True)
     # (Sandblaster's batch caps at the training set: a larger one is full-batch L-BFGS.)
     if cfg.run.batch_size > len(data.x_train) and cfg.strategy.strategy != "sandblaster":
         raise ConfigError(f"batch_size must not exceed the training set ({len(data.x_train)} samples), "
@@ -202,8 +202,9 @@ def run_local(cfg: JobConfig, poll: Callable[[Path, StartupProbe], None] | None 
         failed = JobFailed(f"the job failed ({what}); see the messages above", exit_code=status)
     elif len(lost.get("worker", [])) == cfg.cluster.workers:
         # Name the other processes that died first (a shard's primary and its replicas, say).
+        job_store = _job_store(store, token)
         others = sorted((f"{role} {r}" for role, ranks in lost.items() if role != "worker" for r in ranks),
-                        key=lambda name: _exit_time(_job_store(store, token), name))
+                        key=lambda name: _exit_time(job_store, name))
         after = f" after {', '.join(others)} died" if others else ""
         failed = JobFailed(f"every worker was lost ({cfg.cluster.workers} of {cfg.cluster.workers}){after}; "
                            f"nothing is left to finish the job", exit_code=1)
