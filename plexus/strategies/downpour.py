@@ -83,6 +83,21 @@ _JOB_KEY = "ps/job"
 _STOP_KEY = "ps/stop"
 
 
+def _wait_for_server_records(ctx: RoleContext, keys: list[str], drained: bool) -> None:
+    """Server 0's wait for the other servers' final records, which they write when the
+    workers are done. Server 0 normally gets here when they are; one whose shard was
+    drained away gets here at the drain, and training may go on for longer than
+    ``--timeout``: it looks while some worker still trains (neither finished nor lost),
+    and waits ``--timeout`` more after the last one did."""
+    if drained:
+        workers = range(ctx.cfg.cluster.workers)
+        while not ctx.store.check(keys) and any(
+                not ctx.store.check([KEYS.finished(w)]) and not ctx.store.check([KEYS.lost(f"worker {w}")])
+                for w in workers):
+            time.sleep(0.2)
+    wait_keys(ctx.store, keys, ctx.cfg.cluster.timeout, "the final records of the other servers")
+
+
 def num_servers(cfg: JobConfig) -> int:
     """``--servers`` for the ps strategy; 0 (the default) means one server."""
     return max(1, cfg.cluster.servers)
@@ -207,7 +222,7 @@ class DownpourStrategy(Strategy):
             # has every server's record (under torchrun nothing waits for this process after).
             servers = num_servers(ctx.cfg)
             keys = [f"stats/server/{s}" for s in range(servers) if s != rank or not mine]
-            wait_keys(ctx.store, keys, ctx.cfg.cluster.timeout, "the final records of the other servers")
+            _wait_for_server_records(ctx, keys, drained=not mine)
             histogram = StalenessHistogram(record["staleness_counts"]) if mine else StalenessHistogram()
             for key in keys:
                 histogram = histogram.merge(StalenessHistogram(store_get_json(ctx.store, key)["staleness_counts"]))
