@@ -33,7 +33,7 @@ def test_two_replicas_of_two_stages_equal_allreduce(tmp_path):
         assert row["messages_sent"] == row["messages_received"] == row["predicted_messages"] == 2 * 20
         assert row["bytes_sent"] == row["bytes_received"] == row["predicted_bytes"] == 2 * 20 * 16 * 32 * 4
     # Each stage group all-reduces its own parameters only, apart from the edges' bytes.
-    groups = {g["stage"]: g for g in summary["stage_allreduce"]}
+    groups = {g["stage"]: g for g in summary["stage_groups"]}
     assert set(groups) == {0, 1} and all(g["replicas"] == 2 for g in groups.values())
     for k, group in groups.items():
         assert group["bytes_sent"] == group["bytes_recv"] >= 20 * group["params"] * 4
@@ -77,7 +77,7 @@ def test_two_replicas_of_three_tower_stages_traffic_equals_plan(tmp_path):
         assert row["messages_sent"] == row["messages_received"] == row["predicted_messages"] == 2 * 7
         assert row["bytes_sent"] == row["bytes_received"] == row["predicted_bytes"] > 0
     assert rows[(0, 1)]["bytes_sent"] == rows[(0, 2)]["bytes_sent"] == 2 * 7 * 16 * 64 * 4  # digits: 64 floats
-    groups = {g["stage"]: g for g in summary["stage_allreduce"]}
+    groups = {g["stage"]: g for g in summary["stage_groups"]}
     for k, group in groups.items():
         assert (group["bytes_sent"] > 0) == (group["params"] > 0)
 
@@ -91,10 +91,11 @@ def test_the_role_plan_gives_each_stage_its_replica():
 
 
 @pytest.mark.parametrize("args, needles", [
-    (["--stages", "2", "--workers", "2", "--strategy", "ps"],
-     ("strategy ps over stages is not supported yet", "--strategy allreduce", "the one supported")),
-    (["--stages", "2", "--workers", "2", "--strategy", "gossip"], ("2 replicas x 2 stages", "allreduce")),
-    (["--stages", "2", "--replicas", "2", "--elastic"], ("--elastic over stages is not supported yet",)),
+    (["--stages", "2", "--workers", "2", "--strategy", "sandblaster"],
+     ("strategy sandblaster over --stages 2 is not supported", "--strategy allreduce")),
+    (["--stages", "3", "--workers", "2", "--strategy", "ps", "--servers", "2"],
+     ("--servers 2 under --stages 3", "pass --servers 3 or more")),
+    (["--stages", "2", "--replicas", "2", "--elastic"], ("--elastic with --stages 2 is not supported yet",)),
     (["--stages", "2", "--replicas", "2", "--workers", "3"], ("--replicas 2 and --workers 3",)),
     (["--stages", "2", "--workers", "2", "--checkpoint-every", "5"], ("--checkpoint-every with --stages 2",)),
 ])

@@ -373,7 +373,7 @@ def test_cli_print_partition_time_and_manual(capsys):
      "CharTransformer.forward of the model itself"),
     (["--model", "deep-mlp", "--hidden", "256", "--stages", "4", "--stage-memory", "300kB", "--print-partition"],
      "alone needs"),
-    (["--stages", "2", "--workers", "2", "--strategy", "easgd"], "strategy easgd over stages is not supported yet"),
+    (["--stages", "2", "--workers", "2", "--strategy", "sandblaster"], "strategy sandblaster over --stages 2 is not"),
     (["--stages", "9"], "stages must lie in [1, 6]"),  # refused before any process starts
 ])
 def test_cli_bad_partition_exits_2_with_one_line(capsys, argv, pattern):

@@ -120,9 +120,12 @@ def test_a_failing_stage_fails_the_job_and_is_named(tmp_path, capfd):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--stages", "2", "--workers", "2", "--strategy", "ps"], "strategy ps over stages is not supported yet"),
+    (["--stages", "2", "--workers", "2", "--strategy", "ps", "--servers", "1"],
+     "--servers 1 under --stages 2: each stage's parameters live on servers of their own"),
     (["--stages", "9"], "stages must lie in [1, 6]"),
-    (["--stages", "2", "--strategy", "gossip"], "strategy gossip over stages is not supported yet"),
+    (["--stages", "2", "--strategy", "sandblaster"], "strategy sandblaster over --stages 2 is not supported"),
+    (["--stages", "2", "--workers", "2", "--strategy", "ps", "--backup-workers", "1", "--consistency", "bsp"],
+     "--backup-workers with --stages 2 is not supported yet"),
     (["--stages", "2", "--algorithm", "ring"], "--algorithm does not apply to --stages 2"),
     (["--stages", "2", "--launcher", "ray"], "--stages 2 with --launcher ray is not supported yet"),
     (["--stages", "2", "--checkpoint-every", "5"], "--checkpoint-every with --stages 2 is not supported yet"),

@@ -1,65 +1,53 @@
-"""The partitioned executor: ONE replica's model cut into K stages, one process each.
+"""The partitioned executor: how ONE replica computes a step with its model cut into K
+stages, one process each (ARCHITECTURE.md section 9: an executor, apart from the
+synchroniser that makes replicas agree).
 
-``plexus train --stages K`` starts K processes of role ``stage``, each running
+``plexus train --stages K`` starts K processes of role ``stage`` per replica, each running
 ``train/stage_runner.py``. Each builds the model from the seed exactly as a one-process
 run does, traces it on the same sample and makes the same plan (``shared_plan``), keeps
-its own ``StageProgram`` and, in a ``StageExecutor``, an optimizer over its own
-parameters and its links, and loops over steps (``StageExecutor.step``):
+its own ``StageProgram`` and, in a ``StageExecutor``, its links. The executor gives the
+synchroniser a loss function (``StageExecutor.loss_fn``) that is the stage's part of the
+replica's step, so any strategy trains a stage's parameters as it trains a whole model's:
 
 - forward as dataflow: a stage posts a receive for every transfer into it at once (on
   the links to each producer, in any order of arrival), waits for them, runs, and sends
   each value it produces once per consuming stage (``Transfer``);
-- backward in reverse: the gradients of what it sent come back over the same links, it
-  runs backward and sends back the gradients of what it received; then its optimizer
-  steps. Synchronous SGD of one replica, so K stages train exactly as one process with
-  the same global batch (contract 1), up to float rounding.
+- backward in reverse, from the strategy's ``loss.backward()``: the gradients of what the
+  stage sent come back over the same links (``_Exchange``), autograd runs the stage's
+  backward, and the gradients of what it received go back. Then the strategy
+  synchronises and steps. With one replica (allreduce over a group of one, the
+  default), K stages train exactly as one process with the same global batch (contract
+  1), up to float rounding.
 
 One link per pair of stages joined by a cut edge, so each link's counters are one edge's
 traffic in each direction: the summary sets them beside ``PartitionPlan.traffic()`` for
-the run's steps (``traffic_matches_plan``). Every ``--eval-every`` steps and at the end,
-the output stage gathers every stage's state_dict as tensors over links of their own
-(counted apart from the edges' traffic), merges them (``merge_state_dicts``) and
-evaluates the whole model off the training path, as a worker does its snapshots; it
-also decides, every ``--log-every`` steps, whether a time limit or target accuracy ends
-the run (the others read its word in the store), and writes the replica's record
-(``stats/worker/0``), so the run directory is that of any run.
+the run's steps (``traffic_matches_plan``). Snapshots of the model for evaluation travel
+to the output stage on links of their own (``gather_state``), counted apart.
 
-Replicas (``--stages K --workers R``, R x K processes; ``--replicas`` is another name for
-``--workers``): replica r takes worker r's slice of global batch t (contract 1), as in a
-plain allreduce run, and is cut into the same K stages. After backward, stage k of every
-replica averages its gradients with stage k of the others: one data-parallel group per
-stage, over that stage's parameters only (Dean et al. 2012's picture of model replicas
-cut into partitions), with the project's all-reduce (``--algorithm``, ``--bucket-mb``,
-``collectives/bucketing.py``) on a ``Group`` of its own whose bytes count apart from the
-cut edges'. Each replica's mean loss over B/R samples, averaged over R replicas, is the
-global batch's mean loss, so training equals ``--strategy allreduce --workers R`` (and
-one process) up to float rounding. Replica 0's stages gather, evaluate and save the
-model; every replica's output stage writes its replica's record (``stats/worker/r``).
+Replicas (``--stages K --workers R``; ``--replicas`` is another name for ``--workers``)
+are synchronised stage by stage: ``train/stage_groups.py``.
 
-Not yet: other strategies over replicas, checkpoints, torchrun, --kill and --slow of a
-stage, micro-batches (pipelines).
+Not yet: checkpoints, torchrun, --kill and --slow of a stage, micro-batches (pipelines).
 """
 from __future__ import annotations
 
 import logging
 import resource
 import time
+from collections import deque
 from typing import Any, Callable
 
 import torch
 
-from plexus.cluster.group import Group, Link, Work
+from plexus.cluster.group import Link, Work
 from plexus.cluster.rendezvous import store_barrier, store_get_json, store_set_json, wait_keys
 from plexus.cluster.traffic import Traffic
-from plexus.collectives import get_algorithm
-from plexus.collectives.base import Handle
-from plexus.collectives.bucketing import GradientBuckets
 from plexus.config import JobConfig
 from plexus.errors import ConfigError
 from plexus.parallel.partition import ModelGraph, PartitionPlan, plan_partitions, trace_model
 from plexus.parallel.stages import StageProgram, StageStep, merge_state_dicts
 
-__all__ = ["StageExecutor", "check_stages", "gather_state", "make_plan", "peak_bytes", "shared_plan", "stage_name",
+__all__ = ["StageExecutor", "gather_state", "make_plan", "peak_bytes", "shared_plan", "stage_name",
            "stage_summary"]
 
 logger = logging.getLogger(__name__)
@@ -67,32 +55,6 @@ logger = logging.getLogger(__name__)
 # Tags on an edge's link: the forward value of the plan's transfer i is 2i, its gradient
 # 2i + 1. Snapshot links carry state_dict entry i with tag GATHER_TAG + i.
 GATHER_TAG = 1 << 20
-
-
-def check_stages(cfg: JobConfig) -> None:
-    """Refuse, before anything starts, what the partitioned executor cannot run yet."""
-    k = cfg.parallel.stages
-    if k <= 1:
-        return
-    replicas = cfg.cluster.workers
-    if cfg.strategy.strategy != "allreduce" or cfg.strategy.elastic:
-        what = "one replica" if replicas == 1 else f"{replicas} replicas x {k} stages"
-        raise ConfigError(f"--stages {k} runs {what} by synchronous SGD (stage k of every replica all-reduces its "
-                          f"gradients); strategy {cfg.strategy.strategy}"
-                          f"{' --elastic' if cfg.strategy.elastic else ''} over stages is not supported yet: pass "
-                          f"--strategy allreduce (the default), the one supported")
-    settings = cfg.settings()
-    for key in ("algorithm", "bucket_mb"):  # one replica all-reduces nothing: these would do nothing
-        if replicas == 1 and settings[key]["source"] != "default":
-            flag = "--" + key.replace("_", "-")
-            raise ConfigError(f"{flag} does not apply to --stages {k}: one replica cut into stages all-reduces "
-                              f"nothing; drop {flag}")
-    for value, flag in ((cfg.run.checkpoint_every, "--checkpoint-every"), (cfg.run.resume, "--resume")):
-        if value:
-            raise ConfigError(f"{flag} with --stages {k} is not supported yet (a checkpoint would need every "
-                              f"stage's part): drop {flag}")
-    if cfg.cluster.kill or cfg.cluster.slow:
-        raise ConfigError(f"--kill and --slow name workers, and --stages {k} runs stages: drop them")
 
 
 def make_plan(cfg: JobConfig, model: torch.nn.Module, sample: torch.Tensor,
@@ -166,18 +128,47 @@ def peak_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+class _Exchange(torch.autograd.Function):
+    """The seam between a stage and the rest of its replica in autograd: a zero that
+    depends on every value the stage sent. Its backward receives the gradients of those
+    values from the stages they went to, and queues, for the end of the backward pass,
+    the sending back of the gradients of what the stage received. So a synchroniser that
+    calls ``loss.backward()`` on the stage's loss runs the stage's part of the replica's
+    backward, exchanges included, as it would on a whole model."""
+
+    @staticmethod
+    def forward(ctx, executor: "StageExecutor", anchor: torch.Tensor, *sent: torch.Tensor) -> torch.Tensor:
+        ctx.executor = executor
+        return anchor.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _grad: torch.Tensor):
+        executor: StageExecutor = ctx.executor
+        grads = executor._receive_gradients()
+        torch.autograd.Variable._execution_engine.queue_callback(executor._after_backward)
+        return (None, None, *grads)
+
+
 class StageExecutor:
-    """This process's stage: its program, links to the stages it exchanges values with,
-    its optimizer, and the seconds it spent computing and waiting. With ``replicas`` > 1,
-    also its replica group (stage k of every replica) and the gradient buckets it
-    all-reduces over that group after each backward pass."""
+    """This process's stage of one replica: its program, its links to the stages it
+    exchanges values with, and ``loss_fn``, the stage's part of a step over them, which
+    any synchroniser (a strategy over the stage group, ``train/stage_groups.py``) calls
+    as it calls the loss of a whole model: forward (receive, run, send), then, from the
+    ``backward()`` of what it returns, the gradients back over the same links.
+
+    It keeps the seconds the stage spent computing, waiting for values and gradients
+    (idle), and in the synchroniser (between its step's start and the forward, and after
+    the backward: communication across replicas and the optimizer step; counted as
+    computing when there is one replica, where only the optimizer runs there), and the
+    intervals of the last ``TIMELINE_STEPS`` steps for the report's time line."""
+
+    TIMELINE_STEPS = 3
 
     def __init__(self, cfg: JobConfig, program: StageProgram, plan: PartitionPlan, store, device: torch.device,
-                 backend: str, traffic: Traffic, optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], replica: int = 0,
-                 replicas: int = 1) -> None:
+                 backend: str, traffic: Traffic, criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 replica: int = 0, replicas: int = 1) -> None:
         self.cfg, self.program, self.plan, self.device = cfg, program, plan, device
-        self.traffic, self.loss_fn = traffic, loss_fn
+        self.traffic, self.criterion = traffic, criterion
         self.replica, self.replicas = replica, replicas
         self.batch = cfg.run.batch_size // replicas  # this replica's slice of the global batch
         self.k = k = program.index
@@ -203,61 +194,59 @@ class StageExecutor:
                         timeout=cfg.cluster.timeout, backend=backend, net=cfg.cluster.net if edge else None,
                         tag="" if edge else "gather", transport=cfg.cluster.transport)
             (self.links if edge else self.gather_links)[peer] = link
-        params = list(program.module.parameters())
-        self.sync_traffic = Traffic()
-        self.group: Group | None = None
-        self.buckets: GradientBuckets | None = None
-        if replicas > 1 and params:
-            # Stage k's data-parallel group: the same program in every replica, so the same
-            # buckets in the same order on every member (what persistent() relies on).
-            self.group = Group(store, f"stage-{k}-replicas", replica,
-                               [stage_name(r * plan.stages + k) for r in range(replicas)], traffic=self.sync_traffic,
-                               timeout=cfg.cluster.timeout, backend=backend, net=cfg.cluster.net)
-            algorithm = get_algorithm(cfg.strategy.algorithm, cfg.strategy)
-            self.buckets = GradientBuckets(params, int(cfg.strategy.bucket_mb * 2**20), self._launch)
-            self.reductions = {id(b.buffer): algorithm.persistent(b.buffer, self.group, "mean")
-                               for b in self.buckets.buckets}
-        self.optimizer = optimizer(params) if params else None
-        self.compute_s = self.idle_s = self.sync_s = 0.0
+        self._anchor = torch.zeros((), device=device, requires_grad=True)
         self._sends: list[Work] = []
+        self._sent: list[str] = []  # producers whose gradients come back, in _Exchange's order
+        self.compute_s = self.idle_s = self.sync_s = 0.0
+        self.t0 = time.time()  # the training clock's origin, for the time line (``start_clock``)
+        self._marks: dict[str, float] = {}
+        self._waits: list[tuple[float, float]] = []
+        self.timeline: deque[list[list[Any]]] = deque(maxlen=self.TIMELINE_STEPS)
 
     def name(self, j: int) -> str:
         """The process of stage ``j`` of this replica."""
         return stage_name(self.replica * self.plan.stages + j)
 
-    def _launch(self, buffer: torch.Tensor, last: bool) -> Handle:
-        """Start the mean all-reduce of one bucket over the replica group (the last one in
-        this thread, as ``strategies/allreduce.py`` does)."""
-        reduction = self.reductions[id(buffer)]
-        if last:
-            reduction()
-            return Handle()
-        return reduction.start()
+    def start_clock(self, t0: float) -> None:
+        """Times in the time line count from ``t0`` (the job's training start, wall clock)."""
+        self.t0 = t0
 
-    def _recv_all(self, wanted: list[tuple[int, int, torch.Tensor]]) -> None:
-        """Post every receive (peer, tag, buffer) at once, then wait for them all: the
-        stage runs when its last input arrives, whatever the order."""
-        start = time.perf_counter()
-        works = [self.links[peer].irecv(buf, self.links[peer].peer_index, tag) for peer, tag, buf in wanted]
-        for work in works:
-            work.wait()
-        self.idle_s += time.perf_counter() - start
+    # --- one step: the synchroniser's step, with this stage's loss inside ---------------
 
-    def _send(self, peer: int, tag: int, value: torch.Tensor) -> None:
-        """Start sending ``value``. Starting may block (a shared-memory ring with no room
-        while the receiver is behind, or --net's delay): those seconds are waiting, not
-        compute, so they move from the one to the other."""
-        start = time.perf_counter()
-        value = value.detach().contiguous()
-        self._sends.append(self.links[peer].isend(value, self.links[peer].peer_index, tag))
-        waited = time.perf_counter() - start
-        self.idle_s += waited
-        self.compute_s -= waited
+    def begin_step(self) -> None:
+        self._marks = {"start": time.time()}
+        self._waits = []
 
-    def step(self, x: torch.Tensor | None, y: torch.Tensor | None, inputs: dict[str, torch.Tensor]
-             ) -> float | None:
-        """One synchronous step of this stage; returns the loss on the output stage."""
+    def end_step(self) -> None:
+        """Close the step's accounts: waiting, computing, and the synchroniser's share."""
+        end = time.time()
+        m = self._marks
+        forward, backward = m.get("forward", end), m.get("backward", end)
+        waits = sorted(self._waits)
+        idle = sum(b - a for a, b in waits)
+        outside = (forward - m["start"]) + (end - backward)  # in the synchroniser
+        kind = "sync" if self.replicas > 1 else "compute"
+        if kind == "sync":
+            self.sync_s += outside
+            self.compute_s += (end - m["start"]) - idle - outside
+        else:
+            self.compute_s += (end - m["start"]) - idle
+        self.idle_s += idle
+        spans = [["sync" if kind == "sync" else "compute", m["start"], forward]]
+        at = forward
+        for a, b in waits:
+            spans += [["compute", at, a], ["wait", a, b]]
+            at = b
+        spans += [["compute", at, backward], [kind, backward, end]]
+        self.timeline.append([[what, a - self.t0, b - self.t0] for what, a, b in spans if b > a])
+
+    def loss_fn(self, model: torch.nn.Module, x: torch.Tensor | None, y: torch.Tensor | None) -> torch.Tensor:
+        """This stage's part of the replica's loss on batch (x, y), with ``model`` as its
+        module (the stage's own, or a synchroniser's copy of it): the model's loss on the
+        output stage, plus a zero whose backward exchanges the gradients (``_Exchange``)."""
         p = self.program
+        self._marks.setdefault("start", time.time())
+        self._marks["forward"] = time.time()
         received: dict[str, torch.Tensor] = {}
         wanted = []
         for t in p.receives:
@@ -265,55 +254,71 @@ class StageExecutor:
             received[t.producer] = buf
             wanted.append((t.src, 2 * self.index[t], buf))
         self._recv_all(wanted)
-        start = time.perf_counter()
-        if self.buckets is not None:
-            self.buckets.zero()  # (the gradients are views into the buckets: never set to None)
-        elif self.optimizer is not None:
-            self.optimizer.zero_grad(set_to_none=True)
-        values = self.step_runner.forward(received, inputs)
+        inputs = {name: x for name in p.model_inputs}
+        values = self.step_runner.forward(received, inputs, module=model)
         for t in p.sends:
             self._send(t.dst, 2 * self.index[t], values[t.producer])
-        loss = None
-        if p.output is not None:
-            out = values[p.output]
-            loss = self.loss_fn(out, y)
-        self.compute_s += time.perf_counter() - start
-        grads, wanted = [], []
-        for t in p.sends:
+        self._sent = list(dict.fromkeys(t.producer for t in p.sends if t.grad))
+        zero = _Exchange.apply(self, self._anchor, *(values[name] for name in self._sent))
+        if p.output is None:
+            return zero
+        return self.criterion(values[p.output], y) + zero.to(values[p.output].dtype)
+
+    def _receive_gradients(self) -> list[torch.Tensor]:
+        """The gradients of the values this stage sent, summed over the stages each went to."""
+        values = self.step_runner.outputs
+        summed: dict[str, torch.Tensor] = {}
+        wanted = []
+        for t in self.program.sends:
             if t.grad:
-                value = values[t.producer]  # (received contiguous, whatever the value's strides)
+                value = values[t.producer]
                 buf = torch.empty(value.shape, dtype=value.dtype, device=value.device)
-                grads.append((t.producer, buf))
                 wanted.append((t.dst, 2 * self.index[t] + 1, buf))
         self._recv_all(wanted)
-        start = time.perf_counter()
-        back = self.step_runner.backward(grads, loss)
-        for t in p.receives:
-            if t.grad:
-                self._send(t.src, 2 * self.index[t] + 1, back[t.producer])
-        if self.buckets is not None:
-            # The mean over the replicas of their mean losses' gradients: the global batch's.
-            sync = time.perf_counter()
-            self.buckets.finish()
-            self.sync_s += time.perf_counter() - sync
-            start += time.perf_counter() - sync
-        if self.optimizer is not None:
-            self.optimizer.step()
-        self.compute_s += time.perf_counter() - start
-        start = time.perf_counter()
+        for (_, _, buf), t in zip(wanted, (t for t in self.program.sends if t.grad)):
+            summed[t.producer] = summed[t.producer] + buf if t.producer in summed else buf
+        return [summed[name] for name in self._sent]
+
+    def _after_backward(self) -> None:
+        """At the end of the backward pass: send back the gradients of what this stage
+        received (zeros where it did not depend on a value, so every message the plan
+        counts is sent), and wait until every send of the step has left."""
+        for t, grad in self.step_runner.input_gradients():
+            self._send(t.src, 2 * self.index[t] + 1, grad)
+        start = time.time()
         for work in self._sends:
             work.wait()
         self._sends = []
-        self.idle_s += time.perf_counter() - start
-        return None if loss is None else loss.item()
+        self._marks["backward"] = time.time()
+        self._waits.append((start, self._marks["backward"]))
+
+    def _recv_all(self, wanted: list[tuple[int, int, torch.Tensor]]) -> None:
+        """Post every receive (peer, tag, buffer) at once, then wait for them all: the
+        stage runs when its last input arrives, whatever the order."""
+        if not wanted:
+            return
+        start = time.time()
+        works = [self.links[peer].irecv(buf, self.links[peer].peer_index, tag) for peer, tag, buf in wanted]
+        for work in works:
+            work.wait()
+        self._waits.append((start, time.time()))
+
+    def _send(self, peer: int, tag: int, value: torch.Tensor) -> None:
+        """Start sending ``value``. Starting may block (a shared-memory ring with no room
+        while the receiver is behind, or --net's delay): those seconds are waiting."""
+        start = time.time()
+        value = value.detach().contiguous()
+        self._sends.append(self.links[peer].isend(value, self.links[peer].peer_index, tag))
+        self._waits.append((start, time.time()))
 
     def figures(self, steps: int) -> dict[str, Any]:
         """This stage's record for the summary (``stage_summary``): seconds computing
-        (forward, loss, backward, optimizer) and idle (waiting for values, gradients and
-        for sends to start or finish), peak memory, and the messages and bytes sent to and received from each
-        peer over its edge links, {peer: [messages, bytes]}, beside the plan's prediction
-        for ``steps`` steps ({"src->dst": [messages, bytes]}); snapshot links count apart, and
-        so does the replica group's all-reduce (bytes and seconds)."""
+        (forward, loss, backward, and with one replica the optimizer), idle (waiting for
+        values, gradients and for sends to start or finish) and, with replicas, in the
+        synchroniser; the time line of its last steps; peak memory; and the messages and
+        bytes sent to and received from each peer over its edge links, {peer: [messages,
+        bytes]}, beside the plan's prediction for ``steps`` steps ({"src->dst": [messages,
+        bytes]}). Snapshot links count apart, as does the synchroniser's traffic."""
         snap = self.traffic.snapshot()
         sent, recv = {}, {}
         for peer in self.links:
@@ -324,38 +329,36 @@ class StageExecutor:
                      if self.k in (s, d)}
         return {"stage": self.k, "replica": self.replica, "steps": steps,
                 "nodes": list(self.plan.partitions[self.k].compute), "compute_seconds": self.compute_s,
-                "idle_seconds": self.idle_s,
+                "idle_seconds": self.idle_s, "sync_seconds": self.sync_s,
+                "timeline": [span for step in self.timeline for span in step],
                 "peak_memory_bytes": peak_bytes(self.device),
                 "peak_memory_measure": "cuda allocator" if self.device.type == "cuda" else "ru_maxrss",
                 "params": sum(p.numel() for p in self.program.module.parameters()),
                 "bytes_sent": self.traffic.bytes_sent, "bytes_recv": self.traffic.bytes_recv,
                 "snapshot_bytes_sent": self.gather_traffic.bytes_sent,
-                "allreduce_bytes_sent": self.sync_traffic.bytes_sent,
-                "allreduce_bytes_recv": self.sync_traffic.bytes_recv, "allreduce_seconds": self.sync_s,
                 "sent": sent, "received": recv, "predicted": predicted}
 
     def close(self) -> None:
         for link in (*self.links.values(), *self.gather_links.values()):
             link.close()
-        if self.buckets is not None:
-            self.buckets.remove()
-        if self.group is not None:
-            self.group.close()
 
 
-def gather_state(own: "StageExecutor", programs: list[StageProgram]) -> dict[str, torch.Tensor] | None:
-    """Every stage's state_dict, merged, on the output stage (None elsewhere): tensors
-    over the snapshot links, in each program's state_dict order, never pickle."""
+def gather_state(own: "StageExecutor", programs: list[StageProgram], module: torch.nn.Module
+                 ) -> dict[str, torch.Tensor] | None:
+    """Every stage's state_dict, merged, on the output stage (None elsewhere): this
+    stage's from ``module`` (its synchroniser's model to evaluate: the stage module or a
+    copy with its keys), as tensors over the snapshot links, in each program's
+    state_dict order, never pickle."""
     g = own.plan.output_stage
     if own.k != g:
         link = own.gather_links[g]
-        for i, value in enumerate(own.program.module.state_dict().values()):
+        for i, value in enumerate(module.state_dict().values()):
             link.send_to_peer(value.detach().contiguous(), GATHER_TAG + i)
         return None
     states = []
     for j, program in enumerate(programs):
         if j == g:
-            states.append({key: v.detach().clone() for key, v in own.program.module.state_dict().items()})
+            states.append({key: v.detach().clone() for key, v in module.state_dict().items()})
             continue
         link, state = own.gather_links[j], {}
         for i, (key, like) in enumerate(program.module.state_dict().items()):
@@ -382,9 +385,9 @@ def _replica_edges(records: dict[int, dict[str, Any]]) -> dict[tuple[int, int], 
 
 
 def stage_summary(records: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    """The summary's per-stage figures (compute and idle seconds, peak memory, bytes over
-    the cut edges, bytes of model snapshots sent to the output stage and, with replicas,
-    bytes of the replica group's all-reduce, which the edges do not count) and cut-edge
+    """The summary's per-stage figures (compute, idle and sync seconds, peak memory, bytes
+    over the cut edges, bytes of model snapshots sent to the output stage, and bytes of the
+    stage group's synchronisation, which the edges do not count) and cut-edge
     traffic, measured beside predicted, summed over the replicas. Each stage also names
     its computing nodes and, under --partition time, the profiled plan's prediction for
     the run's steps: ``predicted_compute_seconds`` (forward, backward and optimizer step,
@@ -392,7 +395,10 @@ def stage_summary(records: dict[int, dict[str, Any]]) -> dict[str, Any]:
     ``traffic_matches_plan`` is true when, in every replica and on every edge (src, dst),
     the messages and bytes src sent, those dst received, and the plan's prediction for the
     steps made are all equal (so the totals are the plan's per-replica traffic times R).
-    With replicas, ``stage_allreduce`` gives each stage group's all-reduce bytes."""
+    ``stage_groups`` gives each stage group's synchronisation bytes and seconds (the job's
+    strategy over stage k of every replica; the summary adds its strategy's figures).
+    Each stage's ``timeline`` is its last steps as [kind, start, end] spans (compute,
+    wait, sync), in seconds of the training clock."""
     by_replica: dict[int, dict[int, dict[str, Any]]] = {}
     for rec in records.values():
         by_replica.setdefault(rec.get("replica", 0), {})[rec["stage"]] = rec
@@ -412,19 +418,19 @@ def stage_summary(records: dict[int, dict[str, Any]]) -> dict[str, Any]:
              "predicted_messages": e["predicted"][0], "predicted_bytes": e["predicted"][1]}
             for (src, dst), e in sorted(totals.items())]
     keys = ("stage", "replica", "nodes", "compute_seconds", "predicted_compute_seconds", "predicted_seconds",
-            "idle_seconds", "peak_memory_bytes", "peak_memory_measure",
-            "params", "bytes_sent", "bytes_recv", "snapshot_bytes_sent", "allreduce_bytes_sent", "allreduce_seconds")
+            "idle_seconds", "sync_seconds", "timeline", "peak_memory_bytes", "peak_memory_measure",
+            "params", "bytes_sent", "bytes_recv", "snapshot_bytes_sent", "sync_bytes_sent", "sync_bytes_recv")
     ordered = sorted(records.values(), key=lambda r: (r.get("replica", 0), r["stage"]))
     stages = [{key: rec[key] for key in keys if key in rec} for rec in ordered]
     out = {"stages": stages, "stage_traffic": rows, "traffic_matches_plan": ok and bool(records)}
     if len(by_replica) > 1:
-        groups = sorted({rec["stage"] for rec in records.values()})
         out["replicas"] = len(by_replica)
-        out["stage_allreduce"] = [
-            {"stage": k, "replicas": sum(1 for rec in records.values() if rec["stage"] == k),
-             "params": next(rec["params"] for rec in records.values() if rec["stage"] == k),
-             "bytes_sent": sum(rec.get("allreduce_bytes_sent", 0) for rec in records.values() if rec["stage"] == k),
-             "bytes_recv": sum(rec.get("allreduce_bytes_recv", 0) for rec in records.values() if rec["stage"] == k),
-             "seconds_max": max(rec.get("allreduce_seconds", 0.0) for rec in records.values() if rec["stage"] == k)}
-            for k in groups]
+    groups = sorted({rec["stage"] for rec in records.values()})
+    out["stage_groups"] = [
+        {"stage": k, "replicas": sum(1 for rec in records.values() if rec["stage"] == k),
+         "params": next(rec["params"] for rec in records.values() if rec["stage"] == k),
+         "bytes_sent": sum(rec.get("sync_bytes_sent", 0) for rec in records.values() if rec["stage"] == k),
+         "bytes_recv": sum(rec.get("sync_bytes_recv", 0) for rec in records.values() if rec["stage"] == k),
+         "sync_seconds_max": max(rec.get("sync_seconds", 0.0) for rec in records.values() if rec["stage"] == k)}
+        for k in groups]
     return out

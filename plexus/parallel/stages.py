@@ -99,17 +99,31 @@ class StageStep:
         self._leaves: list[tuple[Transfer, torch.Tensor]] = []
         self._outputs: dict[str, torch.Tensor] = {}
 
-    def forward(self, received: Mapping[str, torch.Tensor],
-                inputs: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    def forward(self, received: Mapping[str, torch.Tensor], inputs: Mapping[str, torch.Tensor] | None = None,
+                module: torch.nn.Module | None = None) -> dict[str, torch.Tensor]:
         """Run the stage on ``received`` (producer name -> value, one per transfer in)
         and the model ``inputs`` it holds; returns every value it outputs by name: one
-        per value sent (send it to each of its transfers' stages) and the model output."""
+        per value sent (send it to each of its transfers' stages) and the model output.
+        ``module`` runs instead of the program's own (a copy of it with other weights)."""
         p = self.program
         self._leaves = [(t, received[t.producer].detach().requires_grad_(t.grad)) for t in p.receives]
         leaves = {t.producer: leaf for t, leaf in self._leaves}
         args = [(inputs or {})[name] if name in p.model_inputs else leaves[name] for name in p.inputs]
-        self._outputs = dict(zip(p.outputs, p.module(*args)))
+        self._outputs = dict(zip(p.outputs, (module or p.module)(*args)))
         return dict(self._outputs)
+
+    @property
+    def outputs(self) -> dict[str, torch.Tensor]:
+        """The values of the last forward, by name."""
+        return self._outputs
+
+    def input_gradients(self) -> list[tuple[Transfer, torch.Tensor]]:
+        """After a backward that reached this stage's inputs: the gradient of each received
+        value whose transfer carries one (zeros where the stage did not depend on it)."""
+        back = [(t, leaf.grad if leaf.grad is not None else torch.zeros_like(leaf))
+                for t, leaf in self._leaves if t.grad]
+        self._leaves, self._outputs = [], {}
+        return back
 
     def backward(self, grads: Iterable[tuple[str, torch.Tensor]], loss: torch.Tensor | None = None
                  ) -> dict[str, torch.Tensor]:

@@ -51,7 +51,7 @@ def validate(cfg: JobConfig):
     preflight.check_applies(cfg)
     preflight.check_roles(cfg)
     strategy_class(cfg.strategy.strategy).check_config(cfg)
-    from plexus.parallel.executor import check_stages
+    from plexus.train.stage_groups import check_stages
     check_stages(cfg)
     get_algorithm(cfg.strategy.algorithm, cfg.strategy)
     data = load_dataset(cfg.data, cfg.run.seed)

@@ -25,7 +25,7 @@ from plexus.config import JobConfig
 from plexus.errors import ConfigError
 from plexus.strategies import strategy_class
 
-__all__ = ["Slot", "role_plan", "plan_for_world", "format_plan"]
+__all__ = ["Slot", "format_plan", "other_roles", "plan_for_world", "role_plan"]
 
 
 @dataclass(frozen=True)
@@ -45,11 +45,21 @@ def role_plan(cfg: JobConfig) -> list[Slot]:
     ``--stages K`` (plexus/parallel/executor.py) the processes are the K stages of each
     of the ``--workers`` R replicas: ``stage r*K + k`` is stage k of replica r."""
     if cfg.parallel.stages > 1:
-        return [Slot("stage", k) for k in range(cfg.parallel.stages * cfg.cluster.workers)]
-    workers = [Slot("worker", r) for r in range(cfg.cluster.workers)]
-    others = [Slot(role, r) for role, count in strategy_class(cfg.strategy.strategy).extra_roles(cfg)
-              for r in range(count)]
+        workers = [Slot("stage", k) for k in range(cfg.parallel.stages * cfg.cluster.workers)]
+    else:
+        workers = [Slot("worker", r) for r in range(cfg.cluster.workers)]
+    others = [Slot(role, r) for role, count in other_roles(cfg) for r in range(count)]
     return others + workers if cfg.cluster.place == "roles-first" else workers + others
+
+
+def other_roles(cfg: JobConfig) -> list[tuple[str, int]]:
+    """The job's processes besides its workers (or stages), as (role, count): the
+    strategy's ``extra_roles``, or under ``--stages`` those of every stage group
+    (``stage_groups.py``: stage k's servers, then stage k+1's)."""
+    if cfg.parallel.stages > 1:
+        from plexus.train.stage_groups import group_role_counts
+        return group_role_counts(cfg)
+    return strategy_class(cfg.strategy.strategy).extra_roles(cfg)
 
 
 def _with_workers(cfg: JobConfig, workers: int, why: list[str] | None = None) -> JobConfig | None:
@@ -86,7 +96,7 @@ def plan_for_world(cfg: JobConfig, world_size: int) -> tuple[JobConfig, list[Slo
         sized = _with_workers(cfg, workers)
         if sized is not None and len(fits) < 6:
             fits.append(len(role_plan(sized)))
-    extra = strategy_class(cfg.strategy.strategy).extra_roles(cfg)
+    extra = other_roles(cfg)
     roles = ", ".join(f"{count} {role}{'s' if count != 1 else ''}" for role, count in extra) or "no other role"
     fix = "start that many processes, or change --servers" if extra else "start that many processes"
     raise ConfigError(f"world size {world_size} does not fit strategy {cfg.strategy.strategy} ({roles} besides the "

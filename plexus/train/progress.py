@@ -46,19 +46,22 @@ def oversubscription(cfg, cores: int | None = None) -> str | None:
     """One warning line when the job's processes (workers and the strategy's other roles:
     servers, aggregators, coordinator) outnumber the cores by more than ``OVERSUBSCRIBED``
     times; None otherwise."""
-    from plexus.strategies import strategy_class
+    from plexus.train.plan import other_roles
     cores = cores or usable_cores()
-    counts = {"worker": cfg.cluster.workers}
-    for role, count in strategy_class(cfg.strategy.strategy).extra_roles(cfg):
+    stages = cfg.parallel.stages
+    counts = {"worker": cfg.cluster.workers} if stages == 1 else {"stage": stages * cfg.cluster.workers}
+    for role, count in other_roles(cfg):
         counts[role] = counts.get(role, 0) + count
     total = sum(counts.values())
     if total <= OVERSUBSCRIBED * cores:
         return None
     parts = ", ".join(f"{n} {role}{'s' if n != 1 else ''}" for role, n in counts.items() if n)
+    others = total - counts.get("worker", 0) - counts.get("stage", 0)
+    fit = max(1, (int(OVERSUBSCRIBED * cores) - others) // stages)  # --workers that would fit
     return (f"{total} processes ({parts}) on {cores} core{'s' if cores != 1 else ''}: more than "
             f"{OVERSUBSCRIBED:g} per core, so start-up and every step wait for the CPU and timings measure "
             f"contention more than the strategy; pass fewer --workers (at most "
-            f"{max(1, int(OVERSUBSCRIBED * cores) - (total - cfg.cluster.workers))} here) or use a bigger machine")
+            f"{fit} here) or use a bigger machine")
 
 
 class StartupProbe:

@@ -7,6 +7,7 @@ final record in the store for the summary (``summary.py``).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -20,7 +21,7 @@ from torch import nn
 
 from plexus.cluster.emulation import Emulator
 from plexus.cluster.liveness import exited_key
-from plexus.cluster.rendezvous import ProcessInfo, store_barrier, store_set_json, wait_keys
+from plexus.cluster.rendezvous import ProcessInfo, store_barrier, store_get_json, store_set_json, wait_keys
 from plexus.cluster.traffic import Traffic
 from plexus.config import JobConfig
 from plexus.config.defaults import is_asynchronous
@@ -399,6 +400,26 @@ def role_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None) ->
                       emulator=Emulator(cfg.cluster, info.role, info.rank), device=device, backend=backend,
                       run_dir=run_dir, log=log)
     try:
-        strategy_class(cfg.strategy.strategy).run_role(info.role, info.rank, ctx)
+        if cfg.parallel.stages > 1:
+            _run_group_role(cfg, ctx)
+        else:
+            strategy_class(cfg.strategy.strategy).run_role(info.role, info.rank, ctx)
     finally:
         log.close()
+
+
+def _run_group_role(cfg: JobConfig, ctx: RoleContext) -> None:
+    """A server (aggregator, centre) of one stage group (``stage_groups.py``): the
+    strategy's own role, in the group's namespace of the store, as process ``local`` of a
+    job of its own; its final record is then copied under its job-wide name."""
+    from plexus.train.stage_groups import group_config, group_store, locate
+    info = ctx.info
+    slot = locate(cfg, info.role, info.rank)
+    store = group_store(ctx.store, slot.stage)
+    group = group_config(cfg, slot.stage)
+    mine = dataclasses.replace(ctx, info=dataclasses.replace(info, rank=slot.local, world_size=group.cluster.workers),
+                               store=store, cfg=group, emulator=Emulator(group.cluster, info.role, slot.local))
+    strategy_class(cfg.strategy.strategy).run_role(info.role, slot.local, mine)
+    key = f"stats/{info.role}/{slot.local}"
+    if store.check([key]):
+        store_set_json(ctx.store, f"stats/{info.role}/{info.rank}", {**store_get_json(store, key), "stage": slot.stage})

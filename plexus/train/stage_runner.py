@@ -2,18 +2,27 @@
 (and ``--workers R``: R replicas x K stages, stage role rank r*K + k is stage k of replica r).
 
 The counterpart of ``runner.worker_main`` for one replica cut into stages: it loads the
-data and builds the model as a one-process run does (contract 2), reads global batch t at
-step t (contract 1: the stages holding the model's input read x, the output stage y),
-drives its ``StageExecutor`` (``parallel/executor.py``: dataflow forward, backward,
-optimizer step), and on the output stage watches health, evaluates snapshots of the
-merged model off the training path, decides when a time limit or target accuracy ends
-the run, and leaves the replica's records (``stats/worker/0``, ``stats/eval``) for the
-summary beside each stage's own (``stats/stage/k``). With replicas, replica r reads
-worker r's slice of global batch t, as worker r of a plain allreduce run does; replica 0
-evaluates, decides and saves, and each replica's output stage writes ``stats/worker/r``.
+data and builds the model as a one-process run does (contract 2), reads its replica's
+batch at step t (contract 1 under a synchronous strategy: worker r's slice of global
+batch t; under an asynchronous one, worker r's own partition), and drives two things
+apart (ARCHITECTURE.md section 9):
+
+- the executor (``parallel/executor.py``), how its replica computes a step: the stage's
+  dataflow forward and backward over the cut edges, offered as a loss function;
+- the synchroniser, the job's strategy, unchanged, over stage k's group (stage k of
+  every replica, ``train/stage_groups.py``), with the stage module as its model: it calls
+  the loss, runs ``backward()``, agrees with the other replicas and steps, as it does for
+  a whole model in a worker.
+
+The output stage of replica 0 watches health, evaluates snapshots of the merged model
+(every stage's part of the strategy's global model) off the training path, decides when
+a time limit or target accuracy ends the run, and, with every replica's output stage,
+leaves the replica's records (``stats/worker/r``, ``stats/eval``) for the summary beside
+each stage's own (``stats/stage/i``).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -22,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from plexus.cluster.emulation import Emulator
 from plexus.cluster.liveness import exited_key
 from plexus.cluster.rendezvous import ProcessInfo, store_barrier, store_get_json, store_set_json, wait_keys
 from plexus.cluster.traffic import Traffic
@@ -29,8 +39,9 @@ from plexus.config import JobConfig
 from plexus.config.defaults import is_asynchronous
 from plexus.parallel.executor import StageExecutor, gather_state, shared_plan
 from plexus.parallel.stages import build_stages
-from plexus.strategies.base import make_optimizer
-from plexus.train.batches import GlobalBatches
+from plexus.strategies import create_strategy
+from plexus.strategies.base import Context, make_optimizer
+from plexus.train.batches import GlobalBatches, PartitionBatches
 from plexus.train.data import load_dataset
 from plexus.train.evaluation import SnapshotEvaluator
 from plexus.train.health import Health, hint
@@ -38,6 +49,7 @@ from plexus.train.metrics import MetricsLog
 from plexus.train.models import build_model
 from plexus.train.progress import STEPS_KEY
 from plexus.train.runner import NonFiniteLoss, record_final_evaluation, resolve_device, total_steps
+from plexus.train.stage_groups import group_config, group_store
 
 __all__ = ["stage_main"]
 
@@ -50,10 +62,10 @@ def _loss(output: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, data=None) -> None:
-    """Run stage ``info.rank`` of the job's one replica (role ``stage``). The output stage
-    computes the loss, watches its health, evaluates snapshots of the whole model (every
-    ``--eval-every`` steps, gathered from the stages) and decides when a time limit or
-    target accuracy ends the run; it writes the replica's records for the summary."""
+    """Run stage process ``info.rank``: stage k of replica r. The output stage computes
+    the loss and, on replica 0, watches its health, evaluates snapshots of the whole
+    model (every ``--eval-every`` steps, gathered from the stages) and decides when a time
+    limit or target accuracy ends the run; it writes the replica's records."""
     if cfg.cluster.threads:
         torch.set_num_threads(cfg.cluster.threads)
     stages, replicas = cfg.parallel.stages, cfg.cluster.workers
@@ -72,17 +84,30 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
     programs = build_stages(graph, plan)
     program = programs[k]
     program.module.to(device)
-    placeholders = [n.name for n in graph.nodes if n.op == "placeholder"]  # one: make_plan checked
     g = plan.output_stage
     traffic = Traffic()
-    own = StageExecutor(cfg, program, plan, store, device, backend, traffic,
-                        optimizer=lambda params: make_optimizer(params, cfg.optim), loss_fn=_loss,
-                        replica=r, replicas=replicas)
-    batches = GlobalBatches(len(data.x_train), batch, cfg.run.seed)
-    limit = total_steps(cfg, batches.steps_per_epoch)
-    holds_input = bool(program.model_inputs)
+    own = StageExecutor(cfg, program, plan, store, device, backend, traffic, criterion=_loss, replica=r,
+                        replicas=replicas)
     lead = r == 0 and k == g  # replica 0's output stage: evaluates, decides and logs
     log = MetricsLog(run_dir if lead else None)
+    # The synchroniser: the job's strategy as worker r of stage k's group, whose model is
+    # this stage's module. A stage with no parameters has nothing to agree on.
+    strategy, sync_traffic = None, Traffic()
+    synchronous = not is_asynchronous(cfg.to_flat())
+    if any(True for _ in program.module.parameters()):
+        strategy = create_strategy(cfg.strategy.strategy)
+        synchronous = strategy.synchronous
+        group = group_config(cfg, k)
+        ctx = Context(info=dataclasses.replace(info, role="worker", rank=r, world_size=replicas),
+                      store=group_store(store, k), cfg=group, traffic=sync_traffic,
+                      emulator=Emulator(group.cluster, "worker", r), device=device, backend=backend, log=log)
+        strategy.setup(program.module, own.loss_fn, ctx)
+    holder = strategy.global_model() if strategy is not None else program.module
+    if synchronous:
+        batches = GlobalBatches(len(data.x_train), batch, cfg.run.seed)
+    else:
+        batches = PartitionBatches(len(data.x_train), share, cfg.run.seed, r, replicas)
+    limit = total_steps(cfg, batches.steps_per_epoch)
     classes = data.num_classes if data.task == "classification" else None
     evaluator = whole = None
     if lead:
@@ -106,16 +131,23 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
             store.set("train/t0", repr(time.time()))
         wait_keys(store, ["train/t0"], cfg.cluster.timeout, "stage 0's start time")
         t0 = float(store.get("train/t0").decode())
+        own.start_clock(t0)
         clock = lambda: time.time() - t0  # noqa: E731
         loss = float("nan")
         steps_done = 0
         for step in range(limit):
-            idx = batches.worker_indices(step, r, replicas)
-            x = data.x_train[idx].to(device) if holds_input else None
-            y = data.y_train[idx].to(device) if program.output is not None else None
-            out = own.step(x, y, {placeholders[0]: x} if x is not None else {})
+            idx = batches.worker_indices(step, r, replicas) if synchronous else batches.indices(step)
+            x, y = data.x_train[idx].to(device), data.y_train[idx].to(device)
+            own.begin_step()
+            if strategy is not None:
+                out = strategy.step(x, y).loss
+            else:
+                value = own.loss_fn(program.module, x, y)
+                value.backward()
+                out = value.item()
+            own.end_step()
             steps_done = step + 1
-            if out is not None:
+            if k == g:
                 loss = out
                 if not math.isfinite(loss):
                     health.diverged(steps_done)
@@ -129,15 +161,18 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
                                    "learning again" if why is None else changed, steps_done, loss,
                                    "" if why is None else f": {why}")
                 if steps_done % cfg.run.log_every == 0 or steps_done == limit:
-                    log.log("train", time=clock(), worker=0, step=steps_done, loss=loss,
-                            samples=steps_done * batch, worker_samples=steps_done * share,
+                    log.log("train", time=clock(), worker=r, step=steps_done, loss=loss,
+                            samples=steps_done * (batch if synchronous else share), worker_samples=steps_done * share,
                             bytes_sent=traffic.bytes_sent, bytes_recv=traffic.bytes_recv)
-            if r == 0 and cfg.run.eval_every and steps_done % cfg.run.eval_every == 0 and steps_done < limit:
+            if cfg.run.eval_every and steps_done % cfg.run.eval_every == 0 and steps_done < limit:
                 now = clock()
-                merged = gather_state(own, programs)
-                if merged is not None:
-                    whole.load_state_dict(merged)
-                    evaluator.submit(whole, steps_done, now, steps_done * batch)
+                if strategy is not None:
+                    strategy.prepare_snapshot()  # in every replica: it may be a collective of the group
+                if r == 0:
+                    merged = gather_state(own, programs, holder)
+                    if merged is not None:
+                        whole.load_state_dict(merged)
+                        evaluator.submit(whole, steps_done, now, steps_done * (batch if synchronous else share))
             if must_agree and steps_done % cfg.run.log_every == 0:
                 # The output stage decides, every stage stops after the same step.
                 key = f"stages/stop/{steps_done}"
@@ -148,29 +183,39 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
                 if store.get(key) == b"1":
                     break
         wall = clock()
-        record = {**own.figures(steps_done), "wall_seconds": wall}
+        final = program.module
+        if strategy is not None:
+            strategy.prepare_snapshot(final=True)
+            final = strategy.final_model(r)
+        record = {**own.figures(steps_done), "wall_seconds": wall,
+                  # As a worker's record of the group's job, for its strategy's summary_fields.
+                  "sync": {"steps": steps_done, "wall_seconds": wall, "bytes_sent": sync_traffic.bytes_sent,
+                           "bytes_recv": sync_traffic.bytes_recv, "traffic": sync_traffic.snapshot(),
+                           "update_budget": None, **(strategy.final_record() if strategy is not None else {})},
+                  "sync_traffic": sync_traffic.snapshot(), "sync_bytes_sent": sync_traffic.bytes_sent,
+                  "sync_bytes_recv": sync_traffic.bytes_recv}
         if predicted is not None:  # per step, for the steps made: beside compute_seconds
             record["predicted_compute_seconds"] = predicted[k][0] * steps_done
             record["predicted_seconds"] = predicted[k][1] * steps_done
-        merged = gather_state(own, programs) if r == 0 else None
+        merged = gather_state(own, programs, final if final is not None else holder) if r == 0 else None
         record["snapshot_bytes_sent"] = own.gather_traffic.bytes_sent  # the final gather's too
         store_set_json(store, f"stats/stage/{i}", record)
         if merged is not None:
             whole.load_state_dict(merged)
             evaluator.close()
             record_final_evaluation(whole, data, device, evaluator, store, cfg, run_dir, steps=steps_done, wall=wall,
-                                    samples=lambda: steps_done * batch)
+                                    samples=lambda: steps_done * (batch if synchronous else share))
         if k == g:
             mine = [r * stages + j for j in range(stages)]
             wait_keys(store, [f"stats/stage/{j}" for j in mine], cfg.cluster.timeout,
                       f"every stage's final record of replica {r}")
             recs = [store_get_json(store, f"stats/stage/{j}") for j in mine]
             # The replica's record, as a worker's: what summary.py reads for any run. Its
-            # bytes are the cut edges' and the replica groups' all-reduce.
+            # bytes are the cut edges' and the stage groups' synchronisation.
             store_set_json(store, f"stats/worker/{r}", {
                 "steps": steps_done, "wall_seconds": wall,
-                "bytes_sent": sum(x["bytes_sent"] + x.get("allreduce_bytes_sent", 0) for x in recs),
-                "bytes_recv": sum(x["bytes_recv"] + x.get("allreduce_bytes_recv", 0) for x in recs),
+                "bytes_sent": sum(x["bytes_sent"] + x["sync_bytes_sent"] for x in recs),
+                "bytes_recv": sum(x["bytes_recv"] + x["sync_bytes_recv"] for x in recs),
                 "traffic": {}, "loss": loss, "slept": 0.0,
                 "diverging": health.state == "diverging", "health": health.state, "health_step": health.step,
                 "compute_seconds": sum(x["compute_seconds"] for x in recs), "step_seconds": wall})
@@ -187,4 +232,6 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
         if evaluator is not None:
             evaluator.close()
         log.close()
+        if strategy is not None:
+            strategy.close()
         own.close()

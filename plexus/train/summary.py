@@ -23,6 +23,7 @@ from plexus.errors import CommTimeout
 from plexus.strategies import strategy_class
 from plexus.train.health import CHANCE_MARGIN, hint, worst
 from plexus.train.metrics import FIGURES
+from plexus.train.plan import other_roles
 
 __all__ = ["collect_records", "assemble_summary", "write_summary", "cpu_key", "FIGURES"]
 
@@ -66,7 +67,7 @@ def collect_records(cfg: JobConfig, store, lost: dict[str, list[int]] | None = N
     where a lost process is known only by the peer that declared it lost)."""
     lost = {role: list(ranks) for role, ranks in (lost or {}).items()}
     cls = strategy_class(cfg.strategy.strategy)
-    counts = {"worker": cfg.cluster.workers + cls.joined_workers(store), **dict(cls.extra_roles(cfg))}
+    counts = {"worker": cfg.cluster.workers + cls.joined_workers(store), **dict(other_roles(cfg))}
     if cfg.parallel.stages > 1:
         counts["stage"] = cfg.parallel.stages * cfg.cluster.workers  # K stages per replica
     records: dict[str, Any] = {}
@@ -137,21 +138,40 @@ def assemble_summary(cfg: JobConfig, records: dict[str, Any], lost: dict[str, li
         "emulated_sleep_seconds": [workers[r]["slept"] if r in workers else None
                                    for r in range(cfg.cluster.workers)],
     }
-    summary.update(cls.summary_fields(cfg, records))
+    if cfg.parallel.stages == 1:
+        summary.update(cls.summary_fields(cfg, records))
     summary.update(_figures(cfg, records, summary, sent))
     summary.update(_health(cfg, workers, ev, summary))
     if cfg.parallel.stages > 1:
-        from plexus.parallel.executor import stage_summary
-        stages = records.get("stage", {})
-        summary.update(stage_summary(stages))
-        summary["processes"] = cfg.parallel.stages * cfg.cluster.workers
-        if cfg.cluster.workers == 1:
-            summary["algorithm"] = None  # one replica: nothing is all-reduced
-        cpu = [rec["cpu_seconds"] for rec in stages.values() if "cpu_seconds" in rec]
-        summary["cpu_seconds"] = sum(cpu) if cpu else None
-        summary["cpu_seconds_by_role"] = {"stage": sum(cpu)} if cpu else {}
+        summary.update(_stages(cfg, records))
     summary["settings"] = cfg.settings()
     return summary
+
+
+def _stages(cfg: JobConfig, records: dict[str, Any]) -> dict[str, Any]:
+    """A job of replicas cut into stages: the stages' figures (``stage_summary``), each
+    stage group's strategy figures (its ``summary_fields`` over the group's records, as
+    for a job of its own), and the bytes each stage sent to each server."""
+    from plexus.parallel.executor import stage_summary
+    from plexus.train.stage_groups import group_config, group_records, server_traffic
+    stages = records.get("stage", {})
+    out = stage_summary(stages)
+    cls = strategy_class(cfg.strategy.strategy)
+    groups = group_records(cfg, records)
+    for row in out.get("stage_groups", []):
+        row.update(cls.summary_fields(group_config(cfg, row["stage"]), groups[row["stage"]]))
+    if any(role == "server" for role, _ in other_roles(cfg)):
+        out["stage_server_traffic"] = server_traffic(cfg, records)
+    out["processes"] = cfg.parallel.stages * cfg.cluster.workers + sum(n for _, n in other_roles(cfg))
+    if cfg.cluster.workers == 1:
+        out["algorithm"] = None  # one replica: nothing is all-reduced
+    cpu = {role: sum(rec["cpu_seconds"] for rec in records.get(role, {}).values() if "cpu_seconds" in rec)
+           for role in ("stage", *(role for role, _ in other_roles(cfg)))}
+    cpu = {role: seconds for role, seconds in cpu.items()
+           if any("cpu_seconds" in rec for rec in records.get(role, {}).values())}
+    out["cpu_seconds"] = sum(cpu.values()) if cpu else None
+    out["cpu_seconds_by_role"] = cpu
+    return out
 
 
 def _figures(cfg: JobConfig, records: dict[str, Any], summary: dict[str, Any], sent: list[int | None]
@@ -167,7 +187,7 @@ def _figures(cfg: JobConfig, records: dict[str, Any], summary: dict[str, Any], s
     by_role["worker"] += sum(w["bytes_sent"] for r, w in workers.items() if r >= cfg.cluster.workers)
     # Processes of the job (workers, joined ones too, and the strategy's other roles) and
     # the CPU seconds of those that reported theirs (process.report_cpu).
-    roles = {"worker": count, **dict(strategy_class(cfg.strategy.strategy).extra_roles(cfg))}
+    roles = {"worker": count, **dict(other_roles(cfg))}
     cpu = {role: sum(rec["cpu_seconds"] for rec in records.get(role, {}).values() if "cpu_seconds" in rec)
            for role in roles if any("cpu_seconds" in rec for rec in records.get(role, {}).values())}
     steps, samples, target = summary["steps"], summary["samples"], cfg.run.target_accuracy
