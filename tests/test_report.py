@@ -402,3 +402,123 @@ def test_time_split_series() -> None:
     split = time_split_series(events)
     assert split[0][0] == pytest.approx((0.0, 1.0, 0.2, 0.5, 0.3))
     assert split[0][1] == pytest.approx((1.0, 2.0, 0.3, 0.5, 0.2))
+
+
+# --- model-parallel runs: the stage time line and the traffic across the cut ------------
+
+def add_stages(run: Path, *, replicas: int = 1, timeline: bool = True, mismatch: bool = False) -> Path:
+    """Give ``run`` the summary keys of ``plexus train --stages 2 [--workers R]``: two stage
+    processes per replica, each with a hand-made timeline of three pipelined steps."""
+    summary = json.loads((run / "summary.json").read_text())
+    stages = []
+    for replica in range(replicas):
+        for stage in range(2):
+            entry = {"stage": stage, "replica": replica, "nodes": [f"net_{2 * stage}", f"net_{2 * stage + 1}"],
+                     "compute_seconds": 0.25 + stage, "idle_seconds": 0.125 + stage, "params": 1000 * (stage + 1),
+                     "peak_memory_bytes": (100 + stage) * 2**20, "peak_memory_measure": "ru_maxrss",
+                     "bytes_sent": 3 * 2**20, "bytes_recv": 3 * 2**20, "allreduce_bytes_sent": 0}
+            if timeline:
+                spans = []
+                for step in range(3):
+                    t = 4.0 + 0.1 * step
+                    spans += [["compute", t, t + 0.03], ["wait", t + 0.03, t + 0.08]] if stage == 0 else \
+                        [["wait", t, t + 0.03], ["compute", t + 0.03, t + 0.08]]
+                    if replicas > 1:
+                        spans.append(["sync", t + 0.08, t + 0.1])
+                entry["timeline"] = spans
+            stages.append(entry)
+    traffic = [{"src": src, "dst": dst, "messages_sent": 30 * replicas, "bytes_sent": 983040 * replicas,
+                "messages_received": 30 * replicas, "bytes_received": 983040 * replicas,
+                "predicted_messages": 30 * replicas, "predicted_bytes": 983040 * replicas}
+               for src, dst in ((0, 1), (1, 0))]
+    if mismatch:
+        traffic[1]["bytes_received"] -= 4  # four bytes lost: invisible in MiB, so the match column must say it
+    summary.update(stages=stages, stage_traffic=traffic, traffic_matches_plan=not mismatch)
+    (run / "summary.json").write_text(json.dumps(summary))
+    return run
+
+
+def section(page: str, start: str, end: str) -> str:
+    return page[page.index(start):page.index(end, page.index(start))]
+
+
+def test_stage_time_line_and_cut_traffic(tmp_path: Path) -> None:
+    run = add_stages(make_run(tmp_path, "pipe"))
+    index = write_report([run])
+    pngs = images(index)
+    assert_pngs(pngs)
+    assert "stage_time_line.png" in {p.name for p in pngs}
+    page = index.read_text()
+    cut = section(page, "<h3>Traffic across the cut</h3>", "</table>")
+    rows = re.findall(r"<tr><td.*?</tr>", cut)
+    assert len(rows) == 2
+    assert ">stage 0 → stage 1<" in rows[0] and ">stage 1 → stage 0<" in rows[1]
+    for row in rows:  # measured sent, received and predicted: 30 messages, 0.94 MiB each
+        assert row.count(">30<") == 3 and row.count(">0.94<") == 3 and row.count('title="983,040 bytes"') == 3
+        assert row.endswith('<td data-sort="yes">yes</td></tr>')
+    per_stage = section(page, "<h3>Per stage</h3>", "</table>")
+    rows = re.findall(r"<tr><td.*?</tr>", per_stage)
+    assert len(rows) == 2 and ">stage 0<" in rows[0] and ">stage 1<" in rows[1]
+    # compute s, idle s, peak memory MiB of stage 1
+    assert ">1.250<" in rows[1] and ">1.125<" in rows[1] and ">101.00<" in rows[1]
+    assert 'title="net_2, net_3"' in rows[1] and not any("replica" in row for row in rows)
+
+
+def test_cut_traffic_off_the_plan_is_marked(tmp_path: Path) -> None:
+    run = add_stages(make_run(tmp_path, "pipe"), mismatch=True)
+    cut = section(write_report([run]).read_text(), "<h3>Traffic across the cut</h3>", "</table>")
+    rows = re.findall(r"<tr><td.*?</tr>", cut)
+    assert rows[0].endswith(">yes</td></tr>")
+    assert 'class="unhealthy"' in rows[1] and rows[1].endswith(">NO</td></tr>")
+    assert 'title="983,036 bytes"' in rows[1]
+
+
+def test_runs_without_stages_have_no_stage_views(tmp_path: Path) -> None:
+    index = write_report([make_run(tmp_path, "plain")])
+    page = index.read_text()
+    assert not (tmp_path / "plain" / "stage_time_line.png").exists()
+    assert "stage_time_line.png" not in page and "Traffic across the cut" not in page and "Per stage" not in page
+    # Stages without a timeline (an older summary): the tables, but no figure.
+    run = add_stages(make_run(tmp_path, "old"), timeline=False)
+    page = write_report([run]).read_text()
+    assert not (run / "stage_time_line.png").exists() and "Traffic across the cut" in page
+
+
+def test_stage_lanes_name_replicas() -> None:
+    """One lane per stage process, in replica then stage order, named by replica only when
+    there are several; spans keep their kind and times, malformed ones are dropped."""
+    from plexus.report.stages import timeline_lanes
+    summary = {"stages": [
+        {"stage": 1, "replica": 1, "timeline": [["sync", 2.0, 2.5], ["compute", 1.0, 2.0]]},
+        {"stage": 0, "replica": 1, "timeline": [["compute", 1.0, 1.5]]},
+        {"stage": 1, "replica": 0, "timeline": [["wait", 1.0, 1.2], ["nap", 1.2, 1.3], ["compute", 2.0, 1.0]]},
+        {"stage": 0, "replica": 0, "timeline": "not a list"}]}
+    lanes = timeline_lanes(summary)
+    assert [lane.label for lane in lanes] == ["replica 0 stage 0", "replica 0 stage 1",
+                                              "replica 1 stage 0", "replica 1 stage 1"]
+    assert lanes[0].spans == [] and lanes[1].spans == [("wait", 1.0, 1.2)]
+    assert lanes[3].spans == [("compute", 1.0, 2.0), ("sync", 2.0, 2.5)]
+    assert [lane.label for lane in timeline_lanes({"stages": [{"stage": 0, "timeline": [["compute", 0, 1]]}]})] \
+        == ["stage 0"]
+    assert timeline_lanes({"stages": [{"stage": 0, "replica": 0}]}) == []
+    assert timeline_lanes({}) == []
+
+
+def test_stage_time_line_of_several_runs(tmp_path: Path) -> None:
+    """Two model-parallel runs and one data-parallel run: one figure, whose panels are the
+    two pipelines (the plot sees each run's summary through PlotRun)."""
+    from plexus.report.plots import PlotRun, write_plots
+    a = add_stages(make_run(tmp_path, "a"))
+    b = add_stages(make_run(tmp_path, "b", workers=4), replicas=2)
+    plain = make_run(tmp_path, "c")
+    out = tmp_path / "compare"
+    page = write_report([a, b, plain], out_dir=out).read_text()
+    assert (out / "stage_time_line.png").read_bytes()[:8] == PNG_MAGIC
+    assert ">replica 1 stage 1<" in section(page, "<h3>Per stage</h3>", "</table>")
+    runs = [PlotRun(label=r.name, events=load_run(r).events, summary=load_run(r).summary) for r in (a, b, plain)]
+    plots = {p.path.name for p in write_plots(runs, tmp_path / "plots")}
+    assert "stage_time_line.png" in plots
+    # The same runs without their summaries: no figure (it draws from the summary alone).
+    plots = {p.path.name for p in write_plots([PlotRun(label=r.label, events=r.events) for r in runs],
+                                              tmp_path / "bare")}
+    assert "stage_time_line.png" not in plots and "loss_time.png" in plots

@@ -28,6 +28,7 @@ from plexus.errors import ConfigError
 from plexus.report.analysis import MIB, THRESHOLDS, config_diff, knob_labels, rank, seconds_text, time_to_accuracy
 from plexus.report.judging import TABLE_HEAD, Judged, judge, table_cells, target_heading
 from plexus.report.plots import Plot, PlotRun, write_plots
+from plexus.report.stages import STAGE_HEAD, TRAFFIC_HEAD, stage_cells, traffic_cells
 from plexus.train.metrics import FIGURES, read_events
 
 __all__ = ["RunDir", "load_run", "run_labels", "write_report"]
@@ -329,6 +330,37 @@ def _judging_section(judged: Sequence[Judged]) -> str:
             f"<tbody>\n{chr(10).join(rows)}\n</tbody>\n</table></div>")
 
 
+def _stages_section(runs: Sequence[RunDir], labels: Sequence[str], numbers: Sequence[int]) -> str:
+    """The model-parallel runs' traffic across the cut, measured beside the plan, and their
+    per-stage figures (``plexus.report.stages``); empty when no run has stages."""
+    traffic, per_stage = [], []
+    for run, label, n in zip(runs, labels, numbers):
+        who = [_td(str(n), n), _td(label, label, "label")]
+        for cells, matches in traffic_cells(run.summary):
+            tds = [_td(text, sort, title=hover) for text, sort, hover in cells[:-1]]
+            text, sort, hover = cells[-1]
+            tds.append(_td(text, sort, "" if matches else "unhealthy", hover))
+            traffic.append(f"<tr>{''.join(who + tds)}</tr>")
+        for cells in stage_cells(run.summary):
+            per_stage.append(f"<tr>{''.join(who + [_td(text, sort, title=hover) for text, sort, hover in cells])}</tr>")
+    if not traffic and not per_stage:
+        return ""
+
+    def table(heads: Sequence[tuple[str, str]], rows: list[str]) -> str:
+        head = "".join(f'<th title="{esc(t)}">{esc(h)}</th>' for h, t in (("#", ""), ("run", ""), *heads))
+        return (f'<div class="scroll"><table class="sortable stages"><thead><tr>{head}</tr></thead>\n'
+                f"<tbody>\n{chr(10).join(rows)}\n</tbody></table></div>")
+    out = ["<h2>Model-parallel stages</h2>"]
+    if traffic:
+        out += ["<h3>Traffic across the cut</h3>",
+                '<p class="note">Each direction of a cut edge, summed over the replicas: messages and bytes the '
+                "sending stage counted, those the receiving stage counted, and the partition plan's prediction "
+                "for the steps made. A row that does not match is marked.</p>", table(TRAFFIC_HEAD, traffic)]
+    if per_stage:
+        out += ["<h3>Per stage</h3>", table(STAGE_HEAD, per_stage)]
+    return "\n".join(out)
+
+
 def esc(text: Any) -> str:
     return html.escape(str(text))
 
@@ -442,6 +474,7 @@ MiB sent; failed runs last. Times are on the training clock. Click a header to s
 {sum_rows}
 </tbody>
 </table></div>
+{_stages_section(runs, labels, numbers)}
 {diff_section}
 <h2>Plots</h2>
 {body_plots}
@@ -489,7 +522,7 @@ def write_report(run_dirs: Sequence[str | Path], out_dir: str | Path | None = No
     except OSError as exc:
         raise ConfigError(f"cannot create report folder {str(out)!r}: {exc.strerror}: pass another --out") from None
     plot_runs = [PlotRun(label=_plot_label(n, label), events=run.events,
-                         target_accuracy=_dig(run.config, "run", "target_accuracy"))
+                         target_accuracy=_dig(run.config, "run", "target_accuracy"), summary=run.summary)
                  for n, (run, label) in enumerate(zip(runs, labels), 1)]
     plots = write_plots(plot_runs, out)
     index = out / "index.html"

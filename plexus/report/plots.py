@@ -1,9 +1,10 @@
 """The report's plots: one PNG per quantity, every run overlaid on the same axes.
 
 Inputs are the events of ``metrics.jsonl`` (see ``plexus.train.metrics``) already read
-and labelled; this module knows nothing about run directories. A plot whose data no run
-has is skipped rather than drawn empty, so a strategy without staleness or a run that
-never evaluated still gets a report.
+and labelled, and each run's summary for what only it holds (the stage time line); this
+module knows nothing about run directories. A plot whose data no run has is skipped
+rather than drawn empty, so a strategy without staleness or a run that never evaluated
+still gets a report.
 
 Figures are built with ``matplotlib.figure.Figure`` rather than ``pyplot``: they never
 enter pyplot's global registry of open figures, so nothing needs closing, nothing
@@ -20,6 +21,8 @@ from typing import Any
 
 import numpy as np
 from matplotlib.figure import Figure
+
+from plexus.report.stages import KINDS, timeline_lanes
 
 __all__ = ["PlotRun", "Plot", "write_plots", "byte_unit", "plot_series", "throughput_series", "bytes_series",
            "job_samples_series", "time_split_series"]
@@ -44,6 +47,9 @@ class PlotRun:
     events: list[dict[str, Any]] = field(default_factory=list)
     # Target test accuracy as a fraction in (0, 1], or None when the run had none.
     target_accuracy: float | None = None
+    # The run's summary.json, for the figures of a whole run rather than of events (the
+    # stage time line of a model-parallel run); empty when there is none.
+    summary: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -304,6 +310,46 @@ def _time_line(runs: Sequence[PlotRun], out: Path) -> Path | None:
     return out
 
 
+# Compute and waiting in the colours of _time_line; the replicas' synchronisation apart.
+_STAGE_COLOURS = {"compute": "#4c72b0", "wait": "#dd8452", "sync": "#55a868"}
+_STAGE_KIND_NAMES = {"compute": "compute (forward, backward, optimizer)",
+                     "wait": "waiting for other stages", "sync": "sync across replicas"}
+
+
+def _stage_time_line(runs: Sequence[PlotRun], out: Path) -> Path | None:
+    """One row per stage process of each model-parallel run, a bar per span of its
+    summary's ``timeline`` (the last few steps): where a pipeline's stages compute, wait
+    for each other and synchronise. One panel per run, each on its own clock."""
+    panels = [(run, lanes) for run in runs if (lanes := timeline_lanes(run.summary))]
+    if not panels:
+        return None
+    rows = sum(len(lanes) for _, lanes in panels)
+    fig = Figure(figsize=(_FIGSIZE[0], max(2.5, 0.35 * rows + 1.2 * len(panels) + 0.6)), dpi=_DPI,
+                 layout="constrained")
+    # A last, empty row holds the legend: fig.legend outside the axes needs matplotlib 3.7.
+    axes = fig.subplots(len(panels) + 1, 1, squeeze=False,
+                        height_ratios=[len(lanes) + 1.5 for _, lanes in panels] + [0.6])[:, 0]
+    for ax, (run, lanes) in zip(axes, panels):
+        for row, lane in enumerate(lanes):
+            for kind in KINDS:
+                bars = [(start, end - start) for k, start, end in lane.spans if k == kind]
+                if bars:
+                    ax.broken_barh(bars, (row - 0.4, 0.8), color=_STAGE_COLOURS[kind], linewidth=0)
+        ax.set_yticks(range(len(lanes)), [lane.label for lane in lanes], fontsize="small")
+        ax.set_ylim(len(lanes) - 0.5, -0.5)  # stage 0 on top: the forward pass reads downwards
+        ax.set_title(f"Stage time line: {run.label}" if len(panels) > 1 else "Stage time line (last steps)",
+                     fontsize="medium")
+        ax.grid(True, axis="x", alpha=0.3)
+    axes[-2].set_xlabel("time (s)")
+    from matplotlib.patches import Patch
+    axes[-1].axis("off")
+    drawn = [k for k in KINDS if any(span[0] == k for _, lanes in panels for lane in lanes for span in lane.spans)]
+    axes[-1].legend(handles=[Patch(color=_STAGE_COLOURS[k], label=_STAGE_KIND_NAMES[k]) for k in drawn],
+                    fontsize="x-small", loc="center", ncol=len(drawn), frameon=False)
+    fig.savefig(out, format="png")
+    return out
+
+
 def throughput_series(events: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
     """(time, job samples/s) as the throughput plot draws it."""
     return _throughput_curve([e for e in events if e.get("event", "train") == "train"])
@@ -362,6 +408,8 @@ def write_plots(runs: Sequence[PlotRun], out_dir: str | Path) -> list[Plot]:
          lambda p: _bytes_sent(runs, p)),
         ("time_line.png", "Per worker: compute, communication and waiting, and the rest, along time",
          lambda p: _time_line(runs, p)),
+        ("stage_time_line.png", "Per stage process of a model-parallel run: computing, waiting for the "
+         "other stages and synchronising across replicas, over its last steps", lambda p: _stage_time_line(runs, p)),
         ("staleness.png", "Staleness histogram (last one logged)", lambda p: _staleness(runs, p)),
     )
     written = []
