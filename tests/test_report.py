@@ -416,7 +416,7 @@ def add_stages(run: Path, *, replicas: int = 1, timeline: bool = True, mismatch:
             entry = {"stage": stage, "replica": replica, "nodes": [f"net_{2 * stage}", f"net_{2 * stage + 1}"],
                      "compute_seconds": 0.25 + stage, "idle_seconds": 0.125 + stage, "params": 1000 * (stage + 1),
                      "peak_memory_bytes": (100 + stage) * 2**20, "peak_memory_measure": "ru_maxrss",
-                     "bytes_sent": 3 * 2**20, "bytes_recv": 3 * 2**20, "allreduce_bytes_sent": 0}
+                     "bytes_sent": 3 * 2**20, "bytes_recv": 3 * 2**20, "sync_bytes_sent": 0}
             if timeline:
                 spans = []
                 for step in range(3):

@@ -28,8 +28,8 @@ MISSING = "–"
 
 Kind = Literal["compute", "wait", "sync"]
 # compute: forward, backward and optimizer step of the stage's layers; wait: blocked on
-# activations or gradients from a neighbouring stage; sync: the replica group's
-# data-parallel all-reduce (only with --workers R > 1).
+# activations or gradients from a neighbouring stage; sync: the stage group's strategy
+# agreeing with the other replicas (only with --workers R > 1).
 KINDS: tuple[Kind, ...] = ("compute", "wait", "sync")
 
 Cell = tuple[str, Any, str]  # (text, sort key, hover text); the sort key is "" for a missing value
@@ -144,7 +144,8 @@ STAGE_HEAD = (
     ("idle s", "waiting for activations or gradients from the neighbouring stages"),
     ("peak memory MiB", "the process's peak resident memory (how it was measured on hover)"),
     ("MiB sent", "over the cut edges"), ("MiB received", "over the cut edges"),
-    ("all-reduce MiB sent", "the replica group's synchronisation (--workers R > 1), not counted on the edges"),
+    ("sync MiB sent", "the stage group's synchronisation across replicas (its strategy's all-reduce, pushes "
+                      "and pulls...), not counted on the edges"),
 )
 
 
@@ -166,6 +167,6 @@ def stage_cells(summary: Mapping[str, Any]) -> list[list[Cell]]:
             _secs(s.get("compute_seconds"), f"predicted {predicted:.3f} s" if predicted is not None else ""),
             _secs(s.get("idle_seconds")),
             _mib(s.get("peak_memory_bytes"), f"measured by {measure}" if isinstance(measure, str) else ""),
-            _mib(s.get("bytes_sent")), _mib(s.get("bytes_recv")), _mib(s.get("allreduce_bytes_sent")),
+            _mib(s.get("bytes_sent")), _mib(s.get("bytes_recv")), _mib(s.get("sync_bytes_sent")),
         ])
     return out
