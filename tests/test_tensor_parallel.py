@@ -41,8 +41,25 @@ def digits():
     return _digits()
 
 
+class FanOut(nn.Module):
+    """One hidden value read by two heads: neither pairs with the layer before, and the
+    hidden value's gradient is all-reduced once for both."""
+
+    def __init__(self, in_features: int, hidden: int, num_classes: int) -> None:
+        super().__init__()
+        self.flatten = nn.Flatten()
+        self.body = nn.Linear(in_features, hidden)
+        self.a, self.b = nn.Linear(hidden, num_classes), nn.Linear(hidden, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.body(self.flatten(x)))
+        return self.a(h) + self.b(h)
+
+
 def _model(name: str, data, hidden: int = 16) -> nn.Module:
     torch.manual_seed(0)
+    if name == "fanout":
+        return FanOut(data.x_train[0].numel(), hidden, data.num_classes)
     return build_model(ModelConfig(model=name, hidden=hidden), data)
 
 
@@ -86,6 +103,16 @@ def test_a_pair_needs_elementwise_ops_only_and_one_reader():
                             "b": "column+gather"}
 
 
+def test_a_value_read_by_two_split_layers_reduces_its_gradient_once(digits):
+    plan = plan_tensor_split(_model("fanout", digits), T, _batch(digits)[0])
+    assert _kinds(plan) == {"body": "column+gather", "a": "column+gather", "b": "column+gather"}
+    traffic = predict_traffic(plan, BATCH, T)
+    # Three gathers forward (one message each to the one peer); one all-reduce back of
+    # the hidden value's gradient: 2(T-1)/T of 32 x 16 float32.
+    assert traffic["forward_messages"] == 3 and traffic["forward_bytes"] == BATCH * (16 + 10 + 10) // 2 * 4
+    assert (traffic["backward_messages"], traffic["backward_bytes"]) == (1, BATCH * 16 * 4)
+
+
 def test_convolutions_split_by_output_channels(digits):
     plan = plan_tensor_split(_model("cnn", digits), T, _batch(digits)[0])
     assert _kinds(plan) == {"net.1": "channels+gather", "net.4": "channels+gather", "net.8": "column+gather"}
@@ -111,6 +138,15 @@ def test_no_splittable_layer_is_one_clear_line(digits):
         plan_tensor_split(nn.Sequential(nn.Flatten(), nn.ReLU()), T, torch.randn(4, 8))
     with pytest.raises(ConfigError, match="at least 2"):
         plan_tensor_split(_model("mlp", digits), 1, _batch(digits)[0])
+
+
+def test_merging_wants_one_state_per_rank(digits):
+    model = _model("mlp", digits)
+    plan = plan_tensor_split(model, T, _batch(digits)[0])
+    with pytest.raises(ConfigError, match="splits 2 ways but 1 state_dicts"):
+        merge_tensor_states([model.state_dict()], plan)
+    with pytest.raises(ConfigError, match="rank 1's state_dict keys differ"):
+        merge_tensor_states([model.state_dict(), {}], plan)
 
 
 # --- T = 2 processes against one ---------------------------------------------------
@@ -179,7 +215,7 @@ def train_shards(group, name: str, out: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ("mlp", "cnn", "deep-mlp"))
+@pytest.mark.parametrize("name", ("mlp", "cnn", "fanout", "deep-mlp"))
 def test_two_processes_train_as_one(digits, name, tmp_path):
     results = spawn("test_tensor_parallel:train_shards", T, {"name": name, "out": str(tmp_path)}, timeout=60)
     model, _, plans = _setup(name, digits)

@@ -373,7 +373,7 @@ def shard_module(module: nn.Module, plan: TensorPlan, rank: int, T: int, group: 
         gm = _symbolic(copy.deepcopy(module))
     graph = gm.graph
     # The node that carries each value whole: the gather after a gathered layer.
-    whole = {node.name: node for node in graph.nodes}
+    full = {node.name: node for node in graph.nodes}
     splits = {split.name: split for split in plan.layers}
     copies: dict[str, fx.Node] = {}
     for node in list(graph.nodes):
@@ -383,7 +383,7 @@ def shard_module(module: nn.Module, plan: TensorPlan, rank: int, T: int, group: 
         gm.set_submodule(node.target, _sharded_layer(gm.get_submodule(node.target), split, rank, T, group))
         if split.input_grad:
             # One all-reduce of the gradient per input value, however many layers read it.
-            source = whole[split.input_node]
+            source = full[split.input_node]
             if split.input_node not in copies:
                 name = f"tp_copy_{len(copies)}"
                 gm.add_submodule(name, CopyToParallel(group))
@@ -396,7 +396,7 @@ def shard_module(module: nn.Module, plan: TensorPlan, rank: int, T: int, group: 
             with graph.inserting_after(node):
                 gathered = graph.call_module(name, (node,))
             node.replace_all_uses_with(gathered, delete_user_cb=lambda user: user is not gathered)
-            whole[node.name] = gathered
+            full[node.name] = gathered
     graph.lint()
     gm.recompile()
     return gm
