@@ -127,13 +127,34 @@ def test_a_layer_T_does_not_divide_stays_whole(digits):
     assert "whole on every rank: net.5" in format_tensor_plan(plan)
 
 
+def test_shared_layers_and_grouped_convolutions_stay_whole():
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv1d(4, 8, 3, groups=2)
+            self.twice, self.tied, self.head = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)
+            self.head.weight = self.tied.weight
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.conv(x).flatten(1)[:, :6]
+            return self.head(self.tied(self.twice(self.twice(h))))
+
+    with pytest.raises(ConfigError) as info:
+        plan_tensor_split(Shared(), T, torch.randn(4, 4, 5))
+    assert str(info.value).endswith("conv (groups 2), twice (called from several places), tied (shares a "
+                                    "parameter with another module), head (shares a parameter with another "
+                                    "module); pass a --tensor-parallel that divides a layer's output features, "
+                                    "or 1 to keep every layer whole")
+
+
 def test_no_splittable_layer_is_one_clear_line(digits):
     with pytest.raises(ConfigError) as info:
         plan_tensor_split(_model("mlp", digits), 3, _batch(digits)[0])
     text = str(info.value)
     assert "\n" not in text
     assert text.startswith("--tensor-parallel 3: model MLP has no Linear or Conv layer whose output features "
-                           "divide by 3: net.1 (out 16 % 3 = 1), net.3 (out 16 % 3 = 1), net.5 (out 10 % 3 = 1)")
+                           "divide by 3 and that can be split: net.1 (out 16 % 3 = 1), net.3 (out 16 % 3 = 1), "
+                           "net.5 (out 10 % 3 = 1)")
     with pytest.raises(ConfigError, match="no Linear, Conv1d or Conv2d layer to split"):
         plan_tensor_split(nn.Sequential(nn.Flatten(), nn.ReLU()), T, torch.randn(4, 8))
     with pytest.raises(ConfigError, match="at least 2"):

@@ -128,6 +128,19 @@ def _pair_end(node: fx.Node, modules: Mapping[str, nn.Module]) -> fx.Node | None
     return None
 
 
+def _kept_whole(node: fx.Node, layer: nn.Module, calls: Mapping[str, int], owners: Mapping[int, int]) -> str:
+    """Why a layer cannot be split whatever T is, or "" when it can."""
+    if calls[node.target] > 1:
+        return "called from several places"
+    if any(owners[id(p)] > 1 for p in layer.parameters()):
+        return "shares a parameter with another module"
+    if len(node.args) != 1 or node.kwargs:
+        return "its input is not one positional tensor"
+    if isinstance(layer, _CONVS) and layer.groups != 1:
+        return f"groups {layer.groups}"
+    return ""
+
+
 def _per_sample(node: fx.Node, batch: int) -> tuple[int, int]:
     """(elements per sample, bytes per element) of a node's tensor output."""
     meta = node.meta.get("tensor_meta")
@@ -178,20 +191,23 @@ def plan_tensor_split(module: nn.Module, T: int, example: torch.Tensor | Sequenc
     for node in gm.graph.nodes:
         if node.op == "call_module":
             calls[node.target] = calls.get(node.target, 0) + 1
+    # A parameter shared by two modules (tied weights) would come apart if sliced in one.
+    owners: dict[int, int] = {}
+    for _, p in gm.named_parameters(remove_duplicate=False):
+        owners[id(p)] = owners.get(id(p), 0) + 1
     layers: list[SplitLayer] = []
     whole: list[tuple[str, str]] = []
-    rows: set[str] = set()
+    seen: set[str] = set()
     for node in gm.graph.nodes:
         if node.op != "call_module" or not isinstance(modules[node.target], (nn.Linear, *_CONVS)):
             continue
         name, layer = node.target, modules[node.target]
-        if name in rows:
+        if name in seen:
             continue
+        seen.add(name)
         linear = isinstance(layer, nn.Linear)
         out = layer.out_features if linear else layer.out_channels
-        why = ("called from several places" if calls[name] > 1
-               else f"groups {layer.groups}" if not linear and layer.groups != 1
-               else f"out {out} % {T} = {out % T}" if out % T else "")
+        why = _kept_whole(node, layer, calls, owners) or (f"out {out} % {T} = {out % T}" if out % T else "")
         if why:
             whole.append((name, why))
             continue
@@ -199,11 +215,11 @@ def plan_tensor_split(module: nn.Module, T: int, example: torch.Tensor | Sequenc
         in_numel, itemsize = _per_sample(source, batch)
         input_grad = bool(source.meta["tensor_meta"].requires_grad)
         end = _pair_end(node, modules) if linear else None
-        if end is not None and calls[end.target] == 1:
+        if end is not None and not _kept_whole(end, modules[end.target], calls, owners):
             second = modules[end.target]
             layers.append(SplitLayer(name, "column", tuple(layer.weight.shape), (out // T, layer.in_features),
                                      _per_sample(node, batch)[0], source.name, in_numel, input_grad, itemsize))
-            rows.add(end.target)
+            seen.add(end.target)
             mid, _ = _per_sample(end.args[0], batch)
             layers.append(SplitLayer(end.target, "row", tuple(second.weight.shape),
                                      (second.out_features, second.in_features // T), _per_sample(end, batch)[0],
@@ -218,7 +234,8 @@ def plan_tensor_split(module: nn.Module, T: int, example: torch.Tensor | Sequenc
             raise ConfigError(f"--tensor-parallel {T}: model {type(module).__name__} has no Linear, Conv1d or Conv2d "
                               f"layer to split: tensor parallelism splits those only; pass --tensor-parallel 1")
         raise ConfigError(f"--tensor-parallel {T}: model {type(module).__name__} has no Linear or Conv layer whose "
-                          f"output features divide by {T}: {found}; pick a T that divides a layer's width")
+                          f"output features divide by {T} and that can be split: {found}; pass a --tensor-parallel "
+                          f"that divides a layer's output features, or 1 to keep every layer whole")
     return TensorPlan(type(module).__name__, T, tuple(layers), tuple(whole))
 
 
