@@ -83,9 +83,10 @@ class SplitLayer:
     # Elements per sample of the layer's whole output (all-reduced after a row layer,
     # all-gathered after a gather layer).
     out_numel: int
-    # The fx node of the layer's input, and its elements per sample; its gradient is
-    # all-reduced in the backward pass when ``input_grad`` (column and gather layers: once
-    # per input value, however many split layers read it).
+    # The fx node of the layer's input, and its elements per sample. Column and gather
+    # layers all-reduce its gradient in the backward pass, once per input value however
+    # many split layers read it, when it has one: ``input_grad``, as it had on the
+    # plan's example.
     input_node: str
     in_numel: int
     input_grad: bool
@@ -398,8 +399,11 @@ def shard_module(module: nn.Module, plan: TensorPlan, rank: int, T: int, group: 
         if split is None:
             continue
         gm.set_submodule(node.target, _sharded_layer(gm.get_submodule(node.target), split, rank, T, group))
-        if split.input_grad:
+        if split.kind != "row":
             # One all-reduce of the gradient per input value, however many layers read it.
+            # Inserted whether or not the plan's example needed a gradient there: autograd
+            # skips it when none is wanted, and a missing one would leave each rank with
+            # its partial gradient. ``input_grad`` only prices it.
             source = full[split.input_node]
             if split.input_node not in copies:
                 name = f"tp_copy_{len(copies)}"
