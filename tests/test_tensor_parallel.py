@@ -229,6 +229,7 @@ def train_shards(group, name: str, out: str) -> dict:
             loss = F.cross_entropy(modules[0](x), y)
             loss.backward()
             return loss
+    torch.save([m.state_dict() for m in modules], Path(out) / f"initial{group.rank}.pt")
     group.traffic.reset()
     losses = _train(step, [p for m in modules for p in m.parameters()], data)
     torch.save([m.state_dict() for m in modules], Path(out) / f"rank{group.rank}.pt")
@@ -248,9 +249,17 @@ def test_two_processes_train_as_one(digits, name, tmp_path):
         return loss
 
     expected = _train(step, list(whole.parameters()), digits)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(T)]
-    merged = merge_state_dicts(merge_tensor_states([states[k] for states in ranks], plan)
-                               for k, plan in enumerate(plans))
+
+    def assemble(prefix: str) -> dict[str, torch.Tensor]:
+        ranks = [torch.load(tmp_path / f"{prefix}{r}.pt") for r in range(T)]
+        return merge_state_dicts(merge_tensor_states([states[k] for states in ranks], plan)
+                                 for k, plan in enumerate(plans))
+
+    # The shards start as exact slices of the one model every rank built from the seed.
+    initial = assemble("initial")
+    assert initial.keys() == model.state_dict().keys()
+    assert all(torch.equal(initial[key], value) for key, value in model.state_dict().items())
+    merged = assemble("rank")
     # The assembled state_dict is the original model's: it loads strict.
     copy.deepcopy(model).load_state_dict(merged, strict=True)
     for key, value in whole.state_dict().items():

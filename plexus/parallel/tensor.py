@@ -313,7 +313,7 @@ class _GatherFromParallel(torch.autograd.Function):
 
 
 class CopyToParallel(nn.Module):
-    """Graph node before column and gather layers whose input needs a gradient."""
+    """Graph node before column and gather layers: sums their input's gradient."""
 
     def __init__(self, group: Endpoint) -> None:
         super().__init__()
@@ -361,18 +361,17 @@ def _slice(param: torch.Tensor, dim: int, rank: int, T: int) -> nn.Parameter:
 
 
 def _sharded_layer(layer: nn.Module, split: SplitLayer, rank: int, T: int, group: Endpoint) -> nn.Module:
+    """``layer`` (this rank's own copy, changed in place) cut down to its slice."""
     if split.kind == "row":
-        bias = None if layer.bias is None else _slice(layer.bias, 0, 0, 1)
-        return RowParallelLinear(_slice(layer.weight, 1, rank, T), bias, group)
-    shard = copy.deepcopy(layer)
-    shard.weight = _slice(layer.weight, 0, rank, T)
+        return RowParallelLinear(_slice(layer.weight, 1, rank, T), layer.bias, group)
+    layer.weight = _slice(layer.weight, 0, rank, T)
     if layer.bias is not None:
-        shard.bias = _slice(layer.bias, 0, rank, T)
-    if isinstance(shard, nn.Linear):
-        shard.out_features //= T
+        layer.bias = _slice(layer.bias, 0, rank, T)
+    if isinstance(layer, nn.Linear):
+        layer.out_features //= T
     else:
-        shard.out_channels //= T
-    return shard
+        layer.out_channels //= T
+    return layer
 
 
 def shard_module(module: nn.Module, plan: TensorPlan, rank: int, T: int, group: Endpoint) -> fx.GraphModule:
