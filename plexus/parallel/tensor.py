@@ -39,13 +39,11 @@ from __future__ import annotations
 import copy
 import datetime as dt
 import math
-import operator
 import time
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
@@ -55,7 +53,7 @@ from plexus.errors import ConfigError
 from plexus.parallel.partition import _symbolic, format_bytes
 
 __all__ = ["SplitKind", "SplitLayer", "TensorPlan", "plan_tensor_split", "shard_module", "predict_traffic",
-           "merge_tensor_states", "format_tensor_plan"]
+           "merge_tensor_states", "format_tensor_plan", "CopyToParallel", "GatherFromParallel", "RowParallelLinear"]
 
 SplitKind = Literal["column", "row", "column+gather", "channels+gather"]
 
