@@ -120,6 +120,8 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(g, "split-points", metavar="NAME[,NAME...]",
           help="--partition manual: fx node or module names, each starting a stage")
     _flag(g, "stage-memory", metavar="SIZE", help="bytes each stage's process may hold, e.g. 2GB or 512MB")
+    _flag(g, "tensor-parallel", type=int, metavar="T",
+          help="split each stage's large Linear and Conv layers across T processes (default 1)")
     g = parser.add_argument_group("optimisation")
     _flag(g, "optimizer", choices=["sgd", "adam", "adagrad"], help="optimizer (default sgd)")
     _flag(g, "lr", type=float, help="learning rate (default 0.1)")
@@ -427,8 +429,8 @@ def _train(args: argparse.Namespace) -> int:
                 flag = "--" + key.replace("_", "-")
                 raise ConfigError(f"{flag} applies to --launcher ray only: pass --launcher ray, or drop {flag}")
     under_torchrun = "RANK" in os.environ and "PLEXUS_ROLE" not in os.environ
-    if launcher == "ray" and cfg.parallel.stages > 1:
-        raise ConfigError(f"--stages {cfg.parallel.stages} with --launcher ray is not supported yet: drop "
+    if launcher == "ray" and cfg.parallel.partitioned:
+        raise ConfigError(f"{cfg.parallel.flags} with --launcher ray is not supported yet: drop "
                           f"--launcher ray (the local launcher runs the stages)")
     if launcher == "ray":
         if under_torchrun:
@@ -463,8 +465,8 @@ def _refuse_stages(cfg) -> None:
     """--stages K > 1 plans a cut (--print-partition), and plexus train and compare run
     it (parallel/executor.py); the simulator does not run a cut model yet."""
     from plexus.errors import ConfigError
-    if cfg.parallel.stages > 1:
-        raise ConfigError(f"--stages {cfg.parallel.stages}: the simulator does not run a cut model yet; pass "
+    if cfg.parallel.partitioned:
+        raise ConfigError(f"{cfg.parallel.flags}: the simulator does not run a cut model yet; pass "
                           f"--print-partition to see the plan, or --stages 1 to simulate the whole model per worker")
 
 
@@ -511,7 +513,7 @@ def _print_plan(cfg, world_size: int) -> None:
     per_node = int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else None
     print(f"{cfg.strategy.strategy}: {len(slots)} processes, {cfg.cluster.workers} workers, "
           f"--place {cfg.cluster.place}")
-    print(format_plan(slots, per_node, cfg.parallel.stages))
+    print(format_plan(slots, per_node, cfg.parallel.stages, cfg.parallel.tensor_parallel))
 
 
 def _summary_line(summary: dict[str, Any]) -> str:

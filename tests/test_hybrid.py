@@ -55,6 +55,39 @@ def test_replicas_of_stages_learn_as_allreduce_does(tmp_path):
     assert hybrid["final_test_accuracy"] >= 0.9 * ar["final_test_accuracy"]
 
 
+# Each data-parallel strategy over 2 replicas x 2 stages, with its own defaults (digits,
+# mlp), against the same strategy over 2 unpartitioned workers at equal steps.
+STRATEGIES = [
+    dict(strategy="ps", consistency="bsp", servers=2),
+    dict(strategy="ps", consistency="asp", servers=2),
+    dict(strategy="gossip"),
+    dict(strategy="local-sgd"),
+    dict(strategy="tree-ps"),
+    dict(strategy="easgd"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parallel
+@pytest.mark.parametrize("flags", STRATEGIES, ids=lambda f: " ".join(str(v) for v in f.values()))
+def test_every_strategy_trains_replicas_of_stages(flags, tmp_path):
+    from plexus.train.job import run
+    defaults = dict(dataset="digits", quiet=True, no_report=True, eval_every=0)
+    flat = run({**defaults, **flags, "workers": 2, "out": str(tmp_path / "flat")})
+    cut = run({**defaults, **flags, "workers": 2, "stages": 2, "out": str(tmp_path / "cut")})
+    assert flat["status"] == cut["status"] == "completed"
+    # Every group but gossip's and local SGD's has a server of its own.
+    assert cut["steps"] == flat["steps"] and cut["processes"] == 4 + 2 * (flags["strategy"] not in ("gossip", "local-sgd"))
+    assert cut["final_test_accuracy"] >= 0.9 * flat["final_test_accuracy"] > 0.5
+    groups = cut["stage_groups"]
+    assert [g["stage"] for g in groups] == [0, 1] and all(g["bytes_sent"] > 0 for g in groups)
+    if flags["strategy"] == "ps":
+        # Stage k pushes to and pulls from its own group's server only (stage i = r*2 + k).
+        assert {stage: list(row) for stage, row in cut["stage_server_traffic"].items()} == {
+            "stage 0": ["server 0"], "stage 1": ["server 1"], "stage 2": ["server 0"], "stage 3": ["server 1"]}
+        assert all(g["updates_applied"] == flat["updates_applied"] for g in groups)
+
+
 def _train_nosave(tmp_path, name, **flat):
     from plexus.train.job import run
     summary = run({**BASE, **flat, "out": str(tmp_path / name)})

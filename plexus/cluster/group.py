@@ -120,6 +120,11 @@ class Endpoint:
         self.timeout = timeout
         self.net = net if net is not None and (net.bandwidth or net.latency) else None
 
+    def __deepcopy__(self, memo: dict) -> "Endpoint":
+        """A connection is a resource, not a value: a copy of something that holds one (a
+        tensor-parallel layer copied by a strategy) shares it."""
+        return self
+
     def _check_peer(self, peer: int) -> None:
         if not 0 <= peer < self.size or peer == self.rank:
             raise ValueError(f"{self.me}: peer index {peer} is not another member of a group of {self.size}")

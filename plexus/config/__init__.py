@@ -118,9 +118,14 @@ class ParallelConfig:
     # Bytes each stage's process may hold (parameters, gradients, optimizer state,
     # activations), as "2GB" or "512MB"; None: no cap.
     stage_memory: str | None = None
+    # Processes each stage's layers are split across, inside the layers (Linear by
+    # output then input features, Conv by output channels; parallel/tensor.py).
+    tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
         _require(self.stages >= 1, "stages", "must be at least 1", self.stages, "pass --stages 2")
+        _require(self.tensor_parallel >= 1, "tensor_parallel", "must be at least 1", self.tensor_parallel,
+                 "pass --tensor-parallel 2")
         _require(self.partition in PARTITION_METHODS, "partition", "must be uniform, params, time or manual",
                  self.partition, "pass --partition params")
         points = self.split_point_names
@@ -143,6 +148,24 @@ class ParallelConfig:
     @property
     def stage_memory_bytes(self) -> int | None:
         return None if self.stage_memory is None else parse_size(self.stage_memory)
+
+    @property
+    def per_replica(self) -> int:
+        """Processes per model replica: stages x tensor-parallel shards."""
+        return self.stages * self.tensor_parallel
+
+    @property
+    def partitioned(self) -> bool:
+        """Whether a replica spans several processes (role ``stage``)."""
+        return self.per_replica > 1
+
+    @property
+    def flags(self) -> str:
+        """The flags that cut a replica, as a user wrote them: ``--stages 2 --tensor-parallel 2``."""
+        parts = [f"--stages {self.stages}"] if self.stages > 1 else []
+        if self.tensor_parallel > 1:
+            parts.append(f"--tensor-parallel {self.tensor_parallel}")
+        return " ".join(parts) or "--stages 1"
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -39,15 +39,16 @@ from typing import Any, Callable
 
 import torch
 
-from plexus.cluster.group import Link, Work
+from plexus.cluster.group import Endpoint, Link, Work
 from plexus.cluster.rendezvous import store_barrier, store_get_json, store_set_json, wait_keys
 from plexus.cluster.traffic import Traffic
 from plexus.config import JobConfig
 from plexus.errors import ConfigError
 from plexus.parallel.partition import ModelGraph, PartitionPlan, plan_partitions, trace_model
 from plexus.parallel.stages import StageProgram, StageStep, merge_state_dicts
+from plexus.parallel.tensor import TensorPlan, merge_tensor_states, predict_traffic
 
-__all__ = ["StageExecutor", "gather_state", "make_plan", "peak_bytes", "shared_plan", "stage_name",
+__all__ = ["StageExecutor", "gather_state", "stage_examples", "make_plan", "peak_bytes", "shared_plan", "stage_name",
            "stage_summary"]
 
 logger = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ def shared_plan(cfg: JobConfig, k: int, store, model: torch.nn.Module, sample: t
     have."""
     if cfg.parallel.partition != "time":
         return (*make_plan(cfg, model, sample), None)
-    store_barrier(store, "stages/built", cfg.parallel.stages * cfg.cluster.workers, cfg.cluster.timeout)
+    store_barrier(store, "stages/built", cfg.parallel.per_replica * cfg.cluster.workers, cfg.cluster.timeout)
     if k == 0:
         _, plan = make_plan(cfg, model, sample, optimizer=optimizer)
         store_set_json(store, PREDICTED_KEY, [[p.compute_s, p.time_s] for p in plan.partitions])
@@ -112,6 +113,22 @@ def shared_plan(cfg: JobConfig, k: int, store, model: torch.nn.Module, sample: t
     wait_keys(store, [SPLIT_KEY], cfg.cluster.timeout, "stage 0's profiled plan")
     graph, plan = make_plan(cfg, model, sample, tuple(store_get_json(store, SPLIT_KEY)))
     return graph, plan, store_get_json(store, PREDICTED_KEY)
+
+
+def stage_examples(programs: list[StageProgram], x: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+    """Each stage's inputs on the sample ``x``, in its program's input order, received
+    values requiring a gradient where their transfer carries one back, as the stages get
+    them in training (what ``tensor.plan_tensor_split`` traces a stage with)."""
+    values: dict[str, torch.Tensor] = {}
+    examples = []
+    with torch.no_grad():
+        for program in programs:
+            grad = {t.producer: t.grad for t in program.receives}
+            args = tuple((x if name in program.model_inputs else values[name]).detach().requires_grad_(
+                grad.get(name, False)) for name in program.inputs)
+            examples.append(args)
+            values.update(zip(program.outputs, program.module(*args)))
+    return examples
 
 
 def stage_name(k: int) -> str:
@@ -166,10 +183,16 @@ class StageExecutor:
 
     def __init__(self, cfg: JobConfig, program: StageProgram, plan: PartitionPlan, store, device: torch.device,
                  backend: str, traffic: Traffic, criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 replica: int = 0, replicas: int = 1) -> None:
+                 replica: int = 0, replicas: int = 1, shard: int = 0, shards: int = 1,
+                 tensor: tuple[TensorPlan, Endpoint] | None = None) -> None:
         self.cfg, self.program, self.plan, self.device = cfg, program, plan, device
         self.traffic, self.criterion = traffic, criterion
         self.replica, self.replicas = replica, replicas
+        # --tensor-parallel T: this process is shard ``shard`` of its stage, whose layers
+        # ``tensor`` (plan, group of the stage's T shards) split; its cut edges join it to
+        # the same shard of the other stages, each of which holds every value whole.
+        self.shard, self.shards = shard, shards
+        self.tensor_plan, self.tensor_group = tensor if tensor is not None else (None, None)
         self.batch = cfg.run.batch_size // replicas  # this replica's slice of the global batch
         self.k = k = program.index
         self.step_runner = StageStep(program)
@@ -178,11 +201,18 @@ class StageExecutor:
         # one from every stage to the output stage for snapshots of the model, counted apart.
         g = plan.output_stage
         pairs = {(min(t.src, t.dst), max(t.src, t.dst), "edge") for t in plan.transfers}
-        if replica == 0:  # replica 0's stages hold the model that is evaluated and saved
+        if replica == 0 and shard == 0:  # replica 0's stages hold the model that is evaluated and saved
             pairs |= {(min(j, g), max(j, g), "gather") for j in range(plan.stages) if j != g}
         self.links: dict[int, Link] = {}
         self.gather_links: dict[int, Link] = {}
         self.gather_traffic = Traffic()
+        # Replica 0's shards of a stage send theirs to shard 0, which merges the stage's state.
+        self.shard_links: dict[int, Link] = {}
+        if replica == 0 and shards > 1:
+            for u in range(1, shards) if shard == 0 else [0]:
+                self.shard_links[u] = Link(store, self.name(k), self.name(k, u), traffic=self.gather_traffic,
+                                           timeout=cfg.cluster.timeout, backend=backend, tag="gather",
+                                           transport=cfg.cluster.transport)
         # Every stage opens its links in one global order of pairs, from this thread: no
         # two stages wait on each other (ARCHITECTURE.md section 8).
         for lo, hi, kind in sorted(pairs):
@@ -203,9 +233,29 @@ class StageExecutor:
         self._waits: list[tuple[float, float]] = []
         self.timeline: deque[list[list[Any]]] = deque(maxlen=self.TIMELINE_STEPS)
 
-    def name(self, j: int) -> str:
-        """The process of stage ``j`` of this replica."""
-        return stage_name(self.replica * self.plan.stages + j)
+    def name(self, j: int, shard: int | None = None) -> str:
+        """The process of stage ``j`` of this replica, this shard (or ``shard``)."""
+        return stage_name((self.replica * self.plan.stages + j) * self.shards + (self.shard if shard is None else shard))
+
+    def stage_state(self, module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        """This stage's whole state_dict from ``module`` (its model, or its shard of it) on
+        shard 0; None on the other shards, which send theirs there (replica 0 only)."""
+        state = module.state_dict()
+        if self.shards == 1:
+            return {key: v.detach().clone() for key, v in state.items()}
+        if self.shard != 0:
+            for i, value in enumerate(state.values()):
+                self.shard_links[0].send_to_peer(value.detach().contiguous(), GATHER_TAG + i)
+            return None
+        states = [{key: v.detach().clone() for key, v in state.items()}]
+        for u in range(1, self.shards):
+            theirs = {}
+            for i, (key, like) in enumerate(state.items()):  # the same shapes on every shard
+                buf = torch.empty_like(like)
+                self.shard_links[u].recv_from_peer(buf, GATHER_TAG + i)
+                theirs[key] = buf
+            states.append(theirs)
+        return merge_tensor_states(states, self.tensor_plan)
 
     def start_clock(self, t0: float) -> None:
         """Times in the time line count from ``t0`` (the job's training start, wall clock)."""
@@ -327,7 +377,16 @@ class StageExecutor:
             recv[str(peer)] = [row["msgs_recv"], row["bytes_recv"]]
         predicted = {f"{s}->{d}": [m * steps, b * steps] for (s, d), (m, b) in self.plan.traffic().items()
                      if self.k in (s, d)}
-        return {"stage": self.k, "replica": self.replica, "steps": steps,
+        tensor = {}
+        if self.tensor_plan is not None:
+            plan = predict_traffic(self.tensor_plan, self.batch, self.shards)
+            rows = self.tensor_group.traffic.snapshot().values()
+            tensor = {**{f"tensor_{what}_{way}": sum(row[f"{key}_{way}"] for row in rows)
+                         for what, key in (("messages", "msgs"), ("bytes", "bytes")) for way in ("sent", "recv")},
+                      "predicted_tensor_messages": plan["messages"] * steps,
+                      "predicted_tensor_bytes": plan["bytes"] * steps,
+                      "tensor_layers": [[split.name, split.kind] for split in self.tensor_plan.layers]}
+        return {"stage": self.k, "replica": self.replica, "shard": self.shard, "steps": steps, **tensor,
                 "nodes": list(self.plan.partitions[self.k].compute), "compute_seconds": self.compute_s,
                 "idle_seconds": self.idle_s, "sync_seconds": self.sync_s,
                 "timeline": [span for step in self.timeline for span in step],
@@ -339,33 +398,39 @@ class StageExecutor:
                 "sent": sent, "received": recv, "predicted": predicted}
 
     def close(self) -> None:
-        for link in (*self.links.values(), *self.gather_links.values()):
+        for link in (*self.links.values(), *self.gather_links.values(), *self.shard_links.values()):
             link.close()
+        if self.tensor_group is not None:
+            self.tensor_group.close()
 
 
 def gather_state(own: "StageExecutor", programs: list[StageProgram], module: torch.nn.Module
                  ) -> dict[str, torch.Tensor] | None:
-    """Every stage's state_dict, merged, on the output stage (None elsewhere): this
-    stage's from ``module`` (its synchroniser's model to evaluate: the stage module or a
-    copy with its keys), as tensors over the snapshot links, in each program's
-    state_dict order, never pickle."""
+    """Every stage's state_dict, merged, on the output stage's shard 0 (None elsewhere):
+    this stage's from ``module`` (its synchroniser's model to evaluate: the stage module
+    or a copy with its keys; under --tensor-parallel its shard, merged on the stage's
+    shard 0 first), as tensors over the snapshot links, in each program's state_dict
+    order, never pickle."""
+    state = own.stage_state(module)
+    if state is None:
+        return None
     g = own.plan.output_stage
     if own.k != g:
         link = own.gather_links[g]
-        for i, value in enumerate(module.state_dict().values()):
+        for i, value in enumerate(state.values()):
             link.send_to_peer(value.detach().contiguous(), GATHER_TAG + i)
         return None
     states = []
     for j, program in enumerate(programs):
         if j == g:
-            states.append({key: v.detach().clone() for key, v in module.state_dict().items()})
+            states.append(state)
             continue
-        link, state = own.gather_links[j], {}
+        link, theirs = own.gather_links[j], {}
         for i, (key, like) in enumerate(program.module.state_dict().items()):
             buf = torch.empty_like(like)
             link.recv_from_peer(buf, GATHER_TAG + i)
-            state[key] = buf
-        states.append(state)
+            theirs[key] = buf
+        states.append(theirs)
     return merge_state_dicts(states)
 
 
@@ -392,20 +457,23 @@ def stage_summary(records: dict[int, dict[str, Any]]) -> dict[str, Any]:
     its computing nodes and, under --partition time, the profiled plan's prediction for
     the run's steps: ``predicted_compute_seconds`` (forward, backward and optimizer step,
     as ``compute_seconds`` counts) and ``predicted_seconds`` (with its transfers).
-    ``traffic_matches_plan`` is true when, in every replica and on every edge (src, dst),
-    the messages and bytes src sent, those dst received, and the plan's prediction for the
-    steps made are all equal (so the totals are the plan's per-replica traffic times R).
-    ``stage_groups`` gives each stage group's synchronisation bytes and seconds (the job's
-    strategy over stage k of every replica; the summary adds its strategy's figures).
+    ``traffic_matches_plan`` is true when, in every replica (and, under
+    --tensor-parallel T, for every shard, whose processes form a lane of the replica's
+    stages) and on every edge (src, dst), the messages and bytes src sent, those dst
+    received, and the plan's prediction for the steps made are all equal (so the totals
+    are the plan's per-replica traffic times R x T). ``tensor_traffic_matches_plan``:
+    likewise for each shard's collectives against ``tensor.predict_traffic``.
+    ``stage_groups`` gives each group's synchronisation bytes and seconds (the job's
+    strategy over one stage's shard in every replica; the summary adds its figures).
     Each stage's ``timeline`` is its last steps as [kind, start, end] spans (compute,
     wait, sync), in seconds of the training clock."""
-    by_replica: dict[int, dict[int, dict[str, Any]]] = {}
+    lanes: dict[tuple[int, int], dict[int, dict[str, Any]]] = {}
     for rec in records.values():
-        by_replica.setdefault(rec.get("replica", 0), {})[rec["stage"]] = rec
+        lanes.setdefault((rec.get("replica", 0), rec.get("shard", 0)), {})[rec["stage"]] = rec
     totals: dict[tuple[int, int], dict[str, list[int]]] = {}
     ok = bool(records)
-    for replica in sorted(by_replica):
-        for edge, e in _replica_edges(by_replica[replica]).items():
+    for lane in sorted(lanes):
+        for edge, e in _replica_edges(lanes[lane]).items():
             sent, recv, pred = e.get("sent", [0, 0]), e.get("received", [0, 0]), e.get("predicted", [0, 0])
             if sent == recv == pred == [0, 0]:
                 continue  # the direction of a link that carries no gradient back
@@ -417,20 +485,30 @@ def stage_summary(records: dict[int, dict[str, Any]]) -> dict[str, Any]:
              "messages_received": e["received"][0], "bytes_received": e["received"][1],
              "predicted_messages": e["predicted"][0], "predicted_bytes": e["predicted"][1]}
             for (src, dst), e in sorted(totals.items())]
-    keys = ("stage", "replica", "nodes", "compute_seconds", "predicted_compute_seconds", "predicted_seconds",
+    keys = ("stage", "replica", "shard", "group", "nodes", "compute_seconds", "predicted_compute_seconds", "predicted_seconds",
             "idle_seconds", "sync_seconds", "timeline", "peak_memory_bytes", "peak_memory_measure",
-            "params", "bytes_sent", "bytes_recv", "snapshot_bytes_sent", "sync_bytes_sent", "sync_bytes_recv")
-    ordered = sorted(records.values(), key=lambda r: (r.get("replica", 0), r["stage"]))
+            "params", "bytes_sent", "bytes_recv", "snapshot_bytes_sent", "sync_bytes_sent", "sync_bytes_recv",
+            "tensor_layers", "tensor_messages_sent", "tensor_bytes_sent", "tensor_messages_recv", "tensor_bytes_recv",
+            "predicted_tensor_messages", "predicted_tensor_bytes")
+    ordered = sorted(records.values(), key=lambda r: (r.get("replica", 0), r["stage"], r.get("shard", 0)))
     stages = [{key: rec[key] for key in keys if key in rec} for rec in ordered]
     out = {"stages": stages, "stage_traffic": rows, "traffic_matches_plan": ok and bool(records)}
-    if len(by_replica) > 1:
-        out["replicas"] = len(by_replica)
-    groups = sorted({rec["stage"] for rec in records.values()})
+    if any("tensor_bytes_sent" in rec for rec in records.values()):
+        out["tensor_traffic_matches_plan"] = all(
+            rec["tensor_bytes_sent"] == rec["tensor_bytes_recv"] == rec["predicted_tensor_bytes"]
+            and rec["tensor_messages_sent"] == rec["tensor_messages_recv"] == rec["predicted_tensor_messages"]
+            for rec in records.values())
+    replicas = {rec.get("replica", 0) for rec in records.values()}
+    if len(replicas) > 1:
+        out["replicas"] = len(replicas)
+    by_group: dict[int, list[dict[str, Any]]] = {}
+    for rec in records.values():
+        by_group.setdefault(rec.get("group", rec["stage"]), []).append(rec)
     out["stage_groups"] = [
-        {"stage": k, "replicas": sum(1 for rec in records.values() if rec["stage"] == k),
-         "params": next(rec["params"] for rec in records.values() if rec["stage"] == k),
-         "bytes_sent": sum(rec.get("sync_bytes_sent", 0) for rec in records.values() if rec["stage"] == k),
-         "bytes_recv": sum(rec.get("sync_bytes_recv", 0) for rec in records.values() if rec["stage"] == k),
-         "sync_seconds_max": max(rec.get("sync_seconds", 0.0) for rec in records.values() if rec["stage"] == k)}
-        for k in groups]
+        {"group": g, "stage": recs[0]["stage"], "shard": recs[0].get("shard", 0), "replicas": len(recs),
+         "params": recs[0]["params"],
+         "bytes_sent": sum(rec.get("sync_bytes_sent", 0) for rec in recs),
+         "bytes_recv": sum(rec.get("sync_bytes_recv", 0) for rec in recs),
+         "sync_seconds_max": max(rec.get("sync_seconds", 0.0) for rec in recs)}
+        for g, recs in sorted(by_group.items())]
     return out

@@ -57,12 +57,23 @@ def validate(cfg: JobConfig):
     data = load_dataset(cfg.data, cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
     model = build_model(cfg.model, data)
-    if cfg.parallel.stages > 1:  # a model that does not trace, or a plan that cannot be made
+    if cfg.parallel.partitioned:  # a model that does not trace, or a plan that cannot be made
         from plexus.parallel.executor import make_plan
         sample = data.x_train[:cfg.run.batch_size // cfg.cluster.workers]  # one replica's share
         if cfg.model.dtype == "float64":
             model, sample = model.double(), sample.double() if sample.is_floating_point() else sample
-        make_plan(cfg, model, sample, check_only=True)
+        graph, plan = make_plan(cfg, model, sample, check_only=True)
+        if cfg.parallel.tensor_parallel > 1:  # every stage must have a layer to split
+            from plexus.parallel.executor import stage_examples
+            from plexus.parallel.stages import build_stages
+            from plexus.parallel.tensor import plan_tensor_split
+            programs = build_stages(graph, plan)
+            for program, example in zip(programs, stage_examples(programs, sample)):
+                try:
+                    plan_tensor_split(program.module, cfg.parallel.tensor_parallel, example)
+                except ConfigError as exc:
+                    where = f"stage {program.index} of {plan.stages}: " if plan.stages > 1 else ""
+                    raise ConfigError(f"{where}{exc}") from None
     # (Sandblaster's batch caps at the training set: a larger one is full-batch L-BFGS.)
     if cfg.run.batch_size > len(data.x_train) and cfg.strategy.strategy != "sandblaster":
         raise ConfigError(f"batch_size must not exceed the training set ({len(data.x_train)} samples), "
@@ -366,9 +377,9 @@ def run_torchrun(cfg: JobConfig) -> dict[str, Any] | None:
     import dataclasses
     from plexus.train.plan import Slot, plan_for_world
     from plexus.train.preflight import check_applies
-    if cfg.parallel.stages > 1:
-        raise ConfigError(f"--stages {cfg.parallel.stages} under torchrun is not supported yet: run plexus train "
-                          f"--stages {cfg.parallel.stages} with the local launcher")
+    if cfg.parallel.partitioned:
+        raise ConfigError(f"{cfg.parallel.flags} under torchrun is not supported yet: run plexus train "
+                          f"{cfg.parallel.flags} with the local launcher")
     info = ProcessInfo.from_env()
     gloo_interface_towards(info.master_addr)  # before any link is made
     global_rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -25,7 +25,7 @@ from plexus.config import JobConfig
 from plexus.errors import ConfigError
 from plexus.strategies import strategy_class
 
-__all__ = ["Slot", "format_plan", "other_roles", "plan_for_world", "role_plan"]
+__all__ = ["Slot", "format_plan", "other_roles", "plan_for_world", "role_plan", "stage_position"]
 
 
 @dataclass(frozen=True)
@@ -44,8 +44,8 @@ def role_plan(cfg: JobConfig) -> list[Slot]:
     """The slots of ``cfg``'s processes, by global rank, for its ``--workers``. With
     ``--stages K`` (plexus/parallel/executor.py) the processes are the K stages of each
     of the ``--workers`` R replicas: ``stage r*K + k`` is stage k of replica r."""
-    if cfg.parallel.stages > 1:
-        workers = [Slot("stage", k) for k in range(cfg.parallel.stages * cfg.cluster.workers)]
+    if cfg.parallel.partitioned:
+        workers = [Slot("stage", k) for k in range(cfg.parallel.per_replica * cfg.cluster.workers)]
     else:
         workers = [Slot("worker", r) for r in range(cfg.cluster.workers)]
     others = [Slot(role, r) for role, count in other_roles(cfg) for r in range(count)]
@@ -56,7 +56,7 @@ def other_roles(cfg: JobConfig) -> list[tuple[str, int]]:
     """The job's processes besides its workers (or stages), as (role, count): the
     strategy's ``extra_roles``, or under ``--stages`` those of every stage group
     (``stage_groups.py``: stage k's servers, then stage k+1's)."""
-    if cfg.parallel.stages > 1:
+    if cfg.parallel.partitioned:
         from plexus.train.stage_groups import group_role_counts
         return group_role_counts(cfg)
     return strategy_class(cfg.strategy.strategy).extra_roles(cfg)
@@ -103,14 +103,23 @@ def plan_for_world(cfg: JobConfig, world_size: int) -> tuple[JobConfig, list[Slo
                       f"workers): world sizes that fit are {', '.join(map(str, sorted(set(fits))))}; {fix}")
 
 
-def format_plan(slots: list[Slot], per_node: int | None = None, stages: int = 1) -> str:
+def stage_position(rank: int, stages: int, shards: int = 1) -> tuple[int, int, int]:
+    """(replica, stage, shard) of stage process ``rank``: a replica's K x T processes are
+    consecutive, stage by stage, each stage's T tensor-parallel shards together."""
+    replica, within = divmod(rank, stages * shards)
+    return (replica, *divmod(within, shards))
+
+
+def format_plan(slots: list[Slot], per_node: int | None = None, stages: int = 1, shards: int = 1) -> str:
     """The plan as lines ``rank  role  (node n)``, for ``plexus train --print-plan``; a
-    stage of ``--stages`` K > 1 also names its replica and its stage in the replica."""
+    stage process also names its replica, its stage in the replica and, under
+    ``--tensor-parallel``, its shard of the stage's layers."""
     lines = []
     for rank, slot in enumerate(slots):
         node = f"  node {rank // per_node}" if per_node else ""
         where = ""
-        if slot.role == "stage" and stages > 1:
-            where = f"  (replica {slot.rank // stages}, stage {slot.rank % stages})"
+        if slot.role == "stage":
+            r, k, t = stage_position(slot.rank, stages, shards)
+            where = f"  (replica {r}, stage {k}{f', shard {t}' if shards > 1 else ''})"
         lines.append(f"  rank {rank:>3}  {slot.name}{where}{node}")
     return "\n".join(lines)

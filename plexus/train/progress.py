@@ -48,7 +48,7 @@ def oversubscription(cfg, cores: int | None = None) -> str | None:
     times; None otherwise."""
     from plexus.train.plan import other_roles
     cores = cores or usable_cores()
-    stages = cfg.parallel.stages
+    stages = cfg.parallel.per_replica
     counts = {"worker": cfg.cluster.workers} if stages == 1 else {"stage": stages * cfg.cluster.workers}
     for role, count in other_roles(cfg):
         counts[role] = counts.get(role, 0) + count

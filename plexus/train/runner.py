@@ -400,7 +400,7 @@ def role_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None) ->
                       emulator=Emulator(cfg.cluster, info.role, info.rank), device=device, backend=backend,
                       run_dir=run_dir, log=log)
     try:
-        if cfg.parallel.stages > 1:
+        if cfg.parallel.partitioned:
             _run_group_role(cfg, ctx)
         else:
             strategy_class(cfg.strategy.strategy).run_role(info.role, info.rank, ctx)
@@ -415,11 +415,11 @@ def _run_group_role(cfg: JobConfig, ctx: RoleContext) -> None:
     from plexus.train.stage_groups import group_config, group_store, locate
     info = ctx.info
     slot = locate(cfg, info.role, info.rank)
-    store = group_store(ctx.store, slot.stage)
-    group = group_config(cfg, slot.stage)
+    store = group_store(ctx.store, slot.group)
+    group = group_config(cfg, slot.group)
     mine = dataclasses.replace(ctx, info=dataclasses.replace(info, rank=slot.local, world_size=group.cluster.workers),
                                store=store, cfg=group, emulator=Emulator(group.cluster, info.role, slot.local))
     strategy_class(cfg.strategy.strategy).run_role(info.role, slot.local, mine)
     key = f"stats/{info.role}/{slot.local}"
     if store.check([key]):
-        store_set_json(ctx.store, f"stats/{info.role}/{info.rank}", {**store_get_json(store, key), "stage": slot.stage})
+        store_set_json(ctx.store, f"stats/{info.role}/{info.rank}", {**store_get_json(store, key), "group": slot.group})

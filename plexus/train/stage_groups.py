@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from plexus.config import JobConfig, ParallelConfig
 from plexus.config.applies import applies
+from plexus.config.defaults import is_asynchronous
 from plexus.errors import ConfigError
 from plexus.strategies import strategy_class
 
@@ -39,75 +40,88 @@ GROUP_STRATEGIES = ("allreduce", "ps", "tree-ps", "gossip", "local-sgd", "easgd"
 @dataclasses.dataclass(frozen=True)
 class GroupSlot:
     """One process of a group's strategy besides its workers: ``role`` ``rank`` of the job
-    (its name in the launcher's plan) is ``role`` ``local`` of stage ``stage``'s group."""
+    (its name in the launcher's plan) is ``role`` ``local`` of group ``group``."""
 
     role: str
     rank: int
-    stage: int
+    group: int
     local: int
+
+
+def group_of(stage: int, shard: int, shards: int) -> int:
+    """The group of stage ``stage``'s tensor-parallel shard ``shard`` (of ``shards``):
+    the same slice of the model in every replica, synchronised together."""
+    return stage * shards + shard
 
 
 def check_stages(cfg: JobConfig) -> None:
     """Refuse, before anything starts, what stages cannot run yet."""
-    k = cfg.parallel.stages
-    if k <= 1:
+    if not cfg.parallel.partitioned:
         return
+    cut = cfg.parallel.flags
     s, replicas = cfg.strategy, cfg.cluster.workers
     if s.strategy not in GROUP_STRATEGIES:
-        raise ConfigError(f"strategy {s.strategy} over --stages {k} is not supported: its coordinator hands out "
+        raise ConfigError(f"strategy {s.strategy} over {cut} is not supported: its coordinator hands out "
                           f"units of data, which the stages of a replica share; pass --strategy "
                           f"{', '.join(GROUP_STRATEGIES[:-1])} or {GROUP_STRATEGIES[-1]}")
     for on, flag in ((s.elastic, "--elastic"), (s.assignment == "dynamic", "--assignment dynamic"),
                      (s.backup_workers > 0, "--backup-workers")):
         if on:
-            raise ConfigError(f"{flag} with --stages {k} is not supported yet: a replica's stages would have to "
+            raise ConfigError(f"{flag} with {cut} is not supported yet: a replica's stages would have to "
                               f"regroup or skip steps together; drop {flag}")
     settings = cfg.settings()
     for key in ("algorithm", "bucket_mb"):  # one replica all-reduces nothing: these would do nothing
         if s.strategy == "allreduce" and replicas == 1 and settings[key]["source"] != "default":
             flag = "--" + key.replace("_", "-")
-            raise ConfigError(f"{flag} does not apply to --stages {k}: one replica cut into stages all-reduces "
+            raise ConfigError(f"{flag} does not apply to {cut}: one replica cut into stages all-reduces "
                               f"nothing; drop {flag}")
+    shards = cfg.parallel.tensor_parallel
+    if shards > 1 and replicas > 1 and (s.strategy not in ("allreduce", "gossip", "local-sgd")
+                                        or is_asynchronous(cfg.to_flat())):
+        raise ConfigError(f"--tensor-parallel {shards} with {replicas} replicas runs under a synchronous allreduce, "
+                          f"gossip or local-sgd: each shard holds its own copy of the layers it does not split, and "
+                          f"{s.strategy}'s replicas would let those copies drift apart; pass --strategy allreduce, "
+                          f"or --workers 1")
     for value, flag in ((cfg.run.checkpoint_every, "--checkpoint-every"), (cfg.run.resume, "--resume")):
         if value:
-            raise ConfigError(f"{flag} with --stages {k} is not supported yet (a checkpoint would need every "
+            raise ConfigError(f"{flag} with {cut} is not supported yet (a checkpoint would need every "
                               f"stage's part): drop {flag}")
     if cfg.cluster.kill or cfg.cluster.slow:
-        raise ConfigError(f"--kill and --slow name workers, and --stages {k} runs stages: drop them")
-    for j in range(k):
-        cls = strategy_class(s.strategy)
-        cls.check_config(group_config(cfg, j))
+        raise ConfigError(f"--kill and --slow name workers, and {cut} runs stages: drop them")
+    for g in range(cfg.parallel.per_replica):
+        strategy_class(s.strategy).check_config(group_config(cfg, g))
 
 
-def _servers(cfg: JobConfig, k: int) -> int:
-    """Stage ``k``'s share of ``--servers`` (0: its strategy's default)."""
-    stages, total = cfg.parallel.stages, cfg.cluster.servers
+def _servers(cfg: JobConfig, g: int) -> int:
+    """Group ``g``'s share of ``--servers`` (0: its strategy's default)."""
+    groups, total = cfg.parallel.per_replica, cfg.cluster.servers
     if total == 0 or not applies("servers", cfg.strategy.strategy):
         return total
-    if total < stages:
-        raise ConfigError(f"--servers {total} under --stages {stages}: each stage's parameters live on servers of "
-                          f"their own, so every stage needs one: pass --servers {stages} or more (or 0 for one "
-                          f"each)")
-    return total // stages + (1 if k < total % stages else 0)
+    if total < groups:
+        what = "stage" if cfg.parallel.tensor_parallel == 1 else "stage's shard"
+        raise ConfigError(f"--servers {total} under {cfg.parallel.flags}: each {what}'s parameters live on servers "
+                          f"of their own, so every {what} needs one: pass --servers {groups} or more (or 0 for "
+                          f"one each)")
+    return total // groups + (1 if g < total % groups else 0)
 
 
-def group_config(cfg: JobConfig, k: int) -> JobConfig:
-    """Stage ``k``'s group as a job of its own: ``--workers`` R workers, its share of the
-    servers, one stage (its model is the stage module)."""
-    return dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, servers=_servers(cfg, k)),
+def group_config(cfg: JobConfig, g: int) -> JobConfig:
+    """Group ``g`` as a job of its own: ``--workers`` R workers, its share of the servers,
+    one stage (its model is the stage module, or its shard of it)."""
+    return dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, servers=_servers(cfg, g)),
                                parallel=ParallelConfig())
 
 
 def group_slots(cfg: JobConfig) -> list[GroupSlot]:
-    """The groups' processes besides their workers, stage 0's first, numbered per role
+    """The groups' processes besides their workers, group 0's first, numbered per role
     across the groups (server 0 .. of stage 0, then stage 1's)."""
     cls = strategy_class(cfg.strategy.strategy)
     slots: list[GroupSlot] = []
     taken: dict[str, int] = {}
-    for k in range(cfg.parallel.stages):
-        for role, count in cls.extra_roles(group_config(cfg, k)):
+    for g in range(cfg.parallel.per_replica):
+        for role, count in cls.extra_roles(group_config(cfg, g)):
             for local in range(count):
-                slots.append(GroupSlot(role, taken.get(role, 0), k, local))
+                slots.append(GroupSlot(role, taken.get(role, 0), g, local))
                 taken[role] = taken.get(role, 0) + 1
     return slots
 
@@ -128,24 +142,24 @@ def locate(cfg: JobConfig, role: str, rank: int) -> GroupSlot:
     raise ConfigError(f"{role} {rank} is not a process of this job's stage groups")
 
 
-def group_store(store: dist.Store, k: int) -> dist.Store:
-    """Stage ``k``'s group's namespace in the job's store."""
-    return dist.PrefixStore(f"stage-group/{k}", store)
+def group_store(store: dist.Store, g: int) -> dist.Store:
+    """Group ``g``'s namespace in the job's store."""
+    return dist.PrefixStore(f"stage-group/{g}", store)
 
 
 def group_records(cfg: JobConfig, records: dict[str, Any]) -> dict[int, dict[str, Any]]:
     """Each group's records, as its strategy's ``summary_fields`` reads a job's: the
     stage processes' strategy records as its workers', and its own servers' (etc.)."""
-    groups: dict[int, dict[str, Any]] = {k: {"worker": {}} for k in range(cfg.parallel.stages)}
+    groups: dict[int, dict[str, Any]] = {g: {"worker": {}} for g in range(cfg.parallel.per_replica)}
     for rec in records.get("stage", {}).values():
-        groups[rec["stage"]]["worker"][rec.get("replica", 0)] = rec.get("sync", {})
+        groups[rec["group"]]["worker"][rec.get("replica", 0)] = rec.get("sync", {})
     for slot in group_slots(cfg):
         rec = records.get(slot.role, {}).get(slot.rank)
         if rec is not None:
-            groups[slot.stage].setdefault(slot.role, {})[slot.local] = rec
-    for k in groups:
-        lost = records.get("lost", {})
-        groups[k]["lost"] = {role: [s.local for s in group_slots(cfg) if s.stage == k and s.role == role
+            groups[slot.group].setdefault(slot.role, {})[slot.local] = rec
+    lost = records.get("lost", {})
+    for g in groups:
+        groups[g]["lost"] = {role: [s.local for s in group_slots(cfg) if s.group == g and s.role == role
                                     and s.rank in ranks] for role, ranks in lost.items() if role != "stage"}
     return groups
 
@@ -154,11 +168,11 @@ def server_traffic(cfg: JobConfig, records: dict[str, Any]) -> dict[str, dict[st
     """Bytes each stage process sent to each of the job's servers, {"stage i": {"server
     s": bytes}} (servers by their job-wide names): under ps, the rows show that each
     stage talks only to its own group's servers."""
-    names = {(slot.stage, f"{slot.role} {slot.local}"): f"{slot.role} {slot.rank}" for slot in group_slots(cfg)
+    names = {(slot.group, f"{slot.role} {slot.local}"): f"{slot.role} {slot.rank}" for slot in group_slots(cfg)
              if slot.role == "server"}
     matrix: dict[str, dict[str, int]] = {}
     for i, rec in sorted(records.get("stage", {}).items()):
-        row = {names[(rec["stage"], peer)]: counts["bytes_sent"]
-               for peer, counts in rec.get("sync_traffic", {}).items() if (rec["stage"], peer) in names}
+        row = {names[(rec["group"], peer)]: counts["bytes_sent"]
+               for peer, counts in rec.get("sync_traffic", {}).items() if (rec["group"], peer) in names}
         matrix[f"stage {i}"] = dict(sorted(row.items()))
     return matrix

@@ -37,8 +37,10 @@ from plexus.cluster.rendezvous import ProcessInfo, store_barrier, store_get_json
 from plexus.cluster.traffic import Traffic
 from plexus.config import JobConfig
 from plexus.config.defaults import is_asynchronous
-from plexus.parallel.executor import StageExecutor, gather_state, shared_plan
+from plexus.cluster.group import Group
+from plexus.parallel.executor import StageExecutor, gather_state, shared_plan, stage_examples, stage_name
 from plexus.parallel.stages import build_stages
+from plexus.parallel.tensor import plan_tensor_split, shard_module
 from plexus.strategies import create_strategy
 from plexus.strategies.base import Context, make_optimizer
 from plexus.train.batches import GlobalBatches, PartitionBatches
@@ -49,7 +51,8 @@ from plexus.train.metrics import MetricsLog
 from plexus.train.models import build_model
 from plexus.train.progress import STEPS_KEY
 from plexus.train.runner import NonFiniteLoss, record_final_evaluation, resolve_device, total_steps
-from plexus.train.stage_groups import group_config, group_store
+from plexus.train.plan import stage_position
+from plexus.train.stage_groups import group_config, group_of, group_store
 
 __all__ = ["stage_main"]
 
@@ -68,9 +71,10 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
     limit or target accuracy ends the run; it writes the replica's records."""
     if cfg.cluster.threads:
         torch.set_num_threads(cfg.cluster.threads)
-    stages, replicas = cfg.parallel.stages, cfg.cluster.workers
+    stages, shards, replicas = cfg.parallel.stages, cfg.parallel.tensor_parallel, cfg.cluster.workers
+    per_replica = cfg.parallel.per_replica
     i = info.rank  # this process's stage role rank
-    r, k = divmod(i, stages)
+    r, k, t = stage_position(i, stages, shards)
     device, backend = resolve_device(cfg, info.local_rank)
     data = data if data is not None else load_dataset(cfg.data, cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
@@ -83,12 +87,19 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
                                          optimizer=lambda params: make_optimizer(params, cfg.optim))
     programs = build_stages(graph, plan)
     program = programs[k]
+    tensor = None
+    if shards > 1:  # this process holds shard t of the stage's split layers (parallel/tensor.py)
+        tp_group = Group(store, f"tensor-{r}-{k}", t, [stage_name(i - t + u) for u in range(shards)],
+                         traffic=Traffic(), timeout=cfg.cluster.timeout, backend=backend, net=cfg.cluster.net)
+        split = plan_tensor_split(program.module, shards, stage_examples(programs, data.x_train[:share])[k])
+        program = dataclasses.replace(program, module=shard_module(program.module, split, t, shards, tp_group))
+        tensor = (split, tp_group)
     program.module.to(device)
     g = plan.output_stage
     traffic = Traffic()
     own = StageExecutor(cfg, program, plan, store, device, backend, traffic, criterion=_loss, replica=r,
-                        replicas=replicas)
-    lead = r == 0 and k == g  # replica 0's output stage: evaluates, decides and logs
+                        replicas=replicas, shard=t, shards=shards, tensor=tensor)
+    lead = r == 0 and k == g and t == 0  # replica 0's output stage: evaluates, decides and logs
     log = MetricsLog(run_dir if lead else None)
     # The synchroniser: the job's strategy as worker r of stage k's group, whose model is
     # this stage's module. A stage with no parameters has nothing to agree on.
@@ -97,9 +108,10 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
     if any(True for _ in program.module.parameters()):
         strategy = create_strategy(cfg.strategy.strategy)
         synchronous = strategy.synchronous
-        group = group_config(cfg, k)
+        gi = group_of(k, t, shards)
+        group = group_config(cfg, gi)
         ctx = Context(info=dataclasses.replace(info, role="worker", rank=r, world_size=replicas),
-                      store=group_store(store, k), cfg=group, traffic=sync_traffic,
+                      store=group_store(store, gi), cfg=group, traffic=sync_traffic,
                       emulator=Emulator(group.cluster, "worker", r), device=device, backend=backend, log=log)
         strategy.setup(program.module, own.loss_fn, ctx)
     holder = strategy.global_model() if strategy is not None else program.module
@@ -126,7 +138,7 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
     try:
         if i == 0:
             store.set(STEPS_KEY, str(limit))
-        store_barrier(store, "stages/ready", stages * replicas, cfg.cluster.timeout)
+        store_barrier(store, "stages/ready", per_replica * replicas, cfg.cluster.timeout)
         if i == 0:
             store.set("train/t0", repr(time.time()))
         wait_keys(store, ["train/t0"], cfg.cluster.timeout, "stage 0's start time")
@@ -147,7 +159,7 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
                 out = value.item()
             own.end_step()
             steps_done = step + 1
-            if k == g:
+            if k == g and t == 0:
                 loss = out
                 if not math.isfinite(loss):
                     health.diverged(steps_done)
@@ -187,7 +199,7 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
         if strategy is not None:
             strategy.prepare_snapshot(final=True)
             final = strategy.final_model(r)
-        record = {**own.figures(steps_done), "wall_seconds": wall,
+        record = {**own.figures(steps_done), "group": group_of(k, t, shards), "wall_seconds": wall,
                   # As a worker's record of the group's job, for its strategy's summary_fields.
                   "sync": {"steps": steps_done, "wall_seconds": wall, "bytes_sent": sync_traffic.bytes_sent,
                            "bytes_recv": sync_traffic.bytes_recv, "traffic": sync_traffic.snapshot(),
@@ -205,8 +217,8 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
             evaluator.close()
             record_final_evaluation(whole, data, device, evaluator, store, cfg, run_dir, steps=steps_done, wall=wall,
                                     samples=lambda: steps_done * (batch if synchronous else share))
-        if k == g:
-            mine = [r * stages + j for j in range(stages)]
+        if k == g and t == 0:
+            mine = [r * per_replica + j for j in range(per_replica)]
             wait_keys(store, [f"stats/stage/{j}" for j in mine], cfg.cluster.timeout,
                       f"every stage's final record of replica {r}")
             recs = [store_get_json(store, f"stats/stage/{j}") for j in mine]
@@ -219,7 +231,7 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
                 "traffic": {}, "loss": loss, "slept": 0.0,
                 "diverging": health.state == "diverging", "health": health.state, "health_step": health.step,
                 "compute_seconds": sum(x["compute_seconds"] for x in recs), "step_seconds": wall})
-        store_barrier(store, "stages/done", stages * replicas, cfg.cluster.timeout)
+        store_barrier(store, "stages/done", per_replica * replicas, cfg.cluster.timeout)
     except BaseException:
         # The time of this failure, so the job names the stage that failed first, not a
         # peer that lost its link to it afterwards (job.py reads the earliest).

@@ -68,8 +68,8 @@ def collect_records(cfg: JobConfig, store, lost: dict[str, list[int]] | None = N
     lost = {role: list(ranks) for role, ranks in (lost or {}).items()}
     cls = strategy_class(cfg.strategy.strategy)
     counts = {"worker": cfg.cluster.workers + cls.joined_workers(store), **dict(other_roles(cfg))}
-    if cfg.parallel.stages > 1:
-        counts["stage"] = cfg.parallel.stages * cfg.cluster.workers  # K stages per replica
+    if cfg.parallel.partitioned:
+        counts["stage"] = cfg.parallel.per_replica * cfg.cluster.workers  # K stages x T shards per replica
     records: dict[str, Any] = {}
     for role, count in counts.items():
         if wait is not None:
@@ -138,11 +138,16 @@ def assemble_summary(cfg: JobConfig, records: dict[str, Any], lost: dict[str, li
         "emulated_sleep_seconds": [workers[r]["slept"] if r in workers else None
                                    for r in range(cfg.cluster.workers)],
     }
-    if cfg.parallel.stages == 1:
+    if not cfg.parallel.partitioned:
         summary.update(cls.summary_fields(cfg, records))
+    elif records.get("stage"):
+        # The job's own strategy figures (steps, updates applied, staleness) are stage group
+        # 0's: every group trains on the same batches, one update per step of its replicas.
+        from plexus.train.stage_groups import group_config, group_records
+        summary.update(cls.summary_fields(group_config(cfg, 0), group_records(cfg, records)[0]))
     summary.update(_figures(cfg, records, summary, sent))
     summary.update(_health(cfg, workers, ev, summary))
-    if cfg.parallel.stages > 1:
+    if cfg.parallel.partitioned:
         summary.update(_stages(cfg, records))
     summary["settings"] = cfg.settings()
     return summary
@@ -159,10 +164,10 @@ def _stages(cfg: JobConfig, records: dict[str, Any]) -> dict[str, Any]:
     cls = strategy_class(cfg.strategy.strategy)
     groups = group_records(cfg, records)
     for row in out.get("stage_groups", []):
-        row.update(cls.summary_fields(group_config(cfg, row["stage"]), groups[row["stage"]]))
+        row.update(cls.summary_fields(group_config(cfg, row["group"]), groups[row["group"]]))
     if any(role == "server" for role, _ in other_roles(cfg)):
         out["stage_server_traffic"] = server_traffic(cfg, records)
-    out["processes"] = cfg.parallel.stages * cfg.cluster.workers + sum(n for _, n in other_roles(cfg))
+    out["processes"] = cfg.parallel.per_replica * cfg.cluster.workers + sum(n for _, n in other_roles(cfg))
     if cfg.cluster.workers == 1:
         out["algorithm"] = None  # one replica: nothing is all-reduced
     cpu = {role: sum(rec["cpu_seconds"] for rec in records.get(role, {}).values() if "cpu_seconds" in rec)
