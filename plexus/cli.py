@@ -501,6 +501,18 @@ def _print_partition(cfg) -> None:
     print(f"{cfg.model.model} on {cfg.data.dataset}: {plan.stages} stage{'s' * (plan.stages > 1)} by --partition "
           f"{plan.method}, {len(graph.compute)} computing nodes, batch {batch} per replica")
     print(format_plan(plan, graph))
+    shards = cfg.parallel.tensor_parallel
+    if shards > 1:  # each stage's layers split inside, as its T processes will hold them
+        from plexus.parallel.executor import stage_examples
+        from plexus.parallel.stages import build_stages
+        from plexus.parallel.tensor import format_tensor_plan, plan_tensor_split, predict_traffic
+        programs = build_stages(graph, plan)
+        for program, example in zip(programs, stage_examples(programs, data.x_train[:batch])):
+            split = plan_tensor_split(program.module, shards, example)
+            traffic = predict_traffic(split, batch, shards)
+            print(f"\nstage {program.index}, --tensor-parallel {shards}: {traffic['messages']} messages, "
+                  f"{traffic['bytes']:,} bytes per process per step in its shards' collectives")
+            print(format_tensor_plan(split))
 
 
 def _print_plan(cfg, world_size: int) -> None:
