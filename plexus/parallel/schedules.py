@@ -17,9 +17,17 @@ stage costing the same, GPipe and 1F1B both idle (K-1)(f+b) out of (M+K-1)(f+b) 
 any forward cost f and backward cost b, so ``simulate`` gives (K-1)/(M+K-1) exactly,
 whatever b/f is (tests/test_schedules.py checks b = f and b = 2f). Interleaved ops cost
 f/v and b/v each (a chunk is 1/v of the stage), which divides the fill and drain by v:
-(K-1)/(vM+K-1). zb-h1 idles (K-1)(f+b-w) per stage (Qi et al. 2023, section 3), which is
-(K-1)/(3M+K-1) when f = b = w as the paper draws it, and holds exactly only while
-w <= f and w <= b (else a deferred W no longer fits the hole it fills).
+(K-1)/(vM+K-1), also exact in simulation for any b/f (K <= 4, v <= 3 tested). zb-h1
+idles (K-1)(f+b-w) per stage (Qi et al. 2023), with b and w the two halves of the
+backward: (K-1)/(3M+K-1) when f = b = w as the paper draws it, under (K-1)/(3M). The
+simulation gives exactly that once M >= K and while w <= f and w <= b; a W bigger than
+that no longer fits the hole it fills. ``simulate``'s defaults (f = 1, a whole backward
+of 2, halved into B = W = 1 under zb-h1) are the usual b = 2f.
+
+Asynchronous schedules (pipedream, pipedream-2bw) list a run from a cold pipeline to a
+drain; their bubble is that run's fill and drain, (K-1)/(N+K-1) over its N micro-batches,
+and nothing in steady state. Each op carries the weight version it computes with and
+whether the stage steps after it, so the executor never derives either.
 """
 from __future__ import annotations
 
@@ -223,9 +231,10 @@ class Interleaved(Schedule):
             raise ConfigError(f"--schedule interleaved needs --chunks v >= 2 model chunks per process, got "
                               f"{self.chunks}: with one chunk use --schedule 1f1b")
         if self.microbatches % self.stages:
+            fix = self.stages * -(-self.microbatches // self.stages)
             raise ConfigError(f"--schedule interleaved needs --microbatches M to be a multiple of --stages K "
                               f"(whole rounds of K micro-batches per chunk), got M={self.microbatches}, "
-                              f"K={self.stages}: pass --microbatches {self.stages * -(-self.microbatches // self.stages)}")
+                              f"K={self.stages}: pass --microbatches {fix}")
 
     def _virtual(self, k: int, forward: bool) -> tuple[int, int]:
         """(micro-batch, chunk) of a stage's k-th forward or backward."""
@@ -274,6 +283,8 @@ class ZeroBubbleH1(Schedule):
         return ops + [Op("W", m) for m in range(max(0, backwards - stage), backwards)]
 
     def predicted_bubble(self) -> float:
+        # (K-1)(f+b-w) idle per stage with f = b = w, exact once M >= K; below that the
+        # pipeline never reaches its steady state and idles more.
         k, m = self.stages, self.microbatches
         return (k - 1) / (3 * m + k - 1)
 
