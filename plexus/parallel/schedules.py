@@ -74,6 +74,7 @@ class Schedule:
     name = "schedule"
     synchronous = True
     splits_backward = False  # B is the input gradient only and W the weight gradient (zb-h1)
+    takes_chunks = False  # accepts --chunks (interleaved)
     stages: int  # K, processes in the pipeline
     microbatches: int  # M, micro-batches per optimizer step
     chunks: int = 1  # v, model chunks (virtual stages) per process
@@ -83,7 +84,7 @@ class Schedule:
             raise ConfigError(f"stages must be >= 1, got {self.stages}: pass --stages K with K >= 1")
         if self.microbatches < 1:
             raise ConfigError(f"microbatches must be >= 1, got {self.microbatches}: pass --microbatches M >= 1")
-        if self.chunks != 1 and not isinstance(self, Interleaved):
+        if self.chunks != 1 and not self.takes_chunks:
             raise ConfigError(f"--chunks {self.chunks} applies only to --schedule interleaved (model chunks per "
                               f"process), not {self.name}: drop --chunks or use --schedule interleaved")
 
@@ -124,6 +125,10 @@ class Schedule:
         """Most weight versions ``stage`` must keep at once: the newest, those stashed for
         micro-batches in flight, and the older ones a later forward will still ask for."""
         ops = self.ops(stage)
+        # oldest[i]: the oldest version a forward at or after position i asks for.
+        oldest = [len(ops) + 1] * (len(ops) + 1)
+        for i in reversed(range(len(ops))):
+            oldest[i] = min(oldest[i + 1], ops[i].version if ops[i].kind == "F" else oldest[i + 1])
         current = peak = 0
         stashed: dict[tuple[int, int], int] = {}
         for i, op in enumerate(ops):
@@ -133,10 +138,7 @@ class Schedule:
                 stashed.pop((op.microbatch, op.chunk), None)
             if op.step:
                 current += 1
-            wanted = [o.version for o in ops[i + 1:] if o.kind == "F"]
-            live = {current, *stashed.values()}
-            if wanted:
-                live |= set(range(min(wanted), current + 1))
+            live = {current, *stashed.values(), *range(oldest[i + 1], current + 1)}
             peak = max(peak, len(live))
         return peak
 
@@ -223,6 +225,7 @@ class Interleaved(Schedule):
     """
 
     name = "interleaved"
+    takes_chunks = True
     chunks: int = 2
 
     def __post_init__(self) -> None:
