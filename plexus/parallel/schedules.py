@@ -98,9 +98,8 @@ class Schedule:
         if not 0 <= stage < self.stages:
             raise ValueError(f"stage must lie in [0, {self.stages}), got {stage}")
         ops = list(self._ops(stage))
-        last = max(i for i, op in enumerate(ops) if op.kind != "F")
-        if self.synchronous:
-            ops[last] = _replace(ops[last], step=True)
+        if self.synchronous:  # one optimizer step per mini-batch, once the stage's last op is done
+            ops[-1] = _replace(ops[-1], step=True)
         return tuple(ops)
 
     def _ops(self, stage: int) -> list[Op]:
