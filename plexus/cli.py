@@ -122,6 +122,10 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(g, "stage-memory", metavar="SIZE", help="bytes each stage's process may hold, e.g. 2GB or 512MB")
     _flag(g, "tensor-parallel", type=int, metavar="T",
           help="split each stage's large Linear and Conv layers across T processes (default 1)")
+    _flag(g, "microbatches", type=int, metavar="M",
+          help="pipeline the stages: each replica's batch in M micro-batches (default 1, no pipeline)")
+    _flag(g, "schedule", choices=["gpipe", "1f1b"],
+          help="the order each stage runs its micro-batches' forwards and backwards (default 1f1b)")
     g = parser.add_argument_group("optimisation")
     _flag(g, "optimizer", choices=["sgd", "adam", "adagrad"], help="optimizer (default sgd)")
     _flag(g, "lr", type=float, help="learning rate (default 0.1)")

@@ -98,6 +98,8 @@ def parse_size(text: str) -> int:
 
 # How plexus.parallel.partition chooses a cut (its METHODS; tested equal).
 PARTITION_METHODS = ("uniform", "params", "time", "manual")
+# The pipeline schedules the stage executor runs (plexus/parallel/schedules.py).
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -121,11 +123,25 @@ class ParallelConfig:
     # Processes each stage's layers are split across, inside the layers (Linear by
     # output then input features, Conv by output channels; parallel/tensor.py).
     tensor_parallel: int = 1
+    # A pipeline: each replica's batch split into this many micro-batches that the stages
+    # run in the order of --schedule (parallel/schedules.py); 1: no pipeline.
+    microbatches: int = 1
+    # The order each stage runs its micro-batches' forwards and backwards: gpipe (every
+    # forward, then every backward) or 1f1b (one forward, one backward; at most K
+    # micro-batches' activations held, not M).
+    schedule: str = "1f1b"
 
     def __post_init__(self) -> None:
         _require(self.stages >= 1, "stages", "must be at least 1", self.stages, "pass --stages 2")
         _require(self.tensor_parallel >= 1, "tensor_parallel", "must be at least 1", self.tensor_parallel,
                  "pass --tensor-parallel 2")
+        _require(self.microbatches >= 1, "microbatches", "must be at least 1", self.microbatches,
+                 "pass --microbatches 4")
+        _require(self.schedule in PIPELINE_SCHEDULES, "schedule", f"must be one of {', '.join(PIPELINE_SCHEDULES)}",
+                 self.schedule, "pass --schedule 1f1b")
+        _require(self.microbatches == 1 or self.stages > 1, "microbatches",
+                 "pipelines the stages of --stages K, K at least 2", self.microbatches,
+                 "pass --stages 2 or more, or drop --microbatches")
         _require(self.partition in PARTITION_METHODS, "partition", "must be uniform, params, time or manual",
                  self.partition, "pass --partition params")
         points = self.split_point_names

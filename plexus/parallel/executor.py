@@ -44,7 +44,8 @@ from plexus.cluster.rendezvous import store_barrier, store_get_json, store_set_j
 from plexus.cluster.traffic import Traffic
 from plexus.config import JobConfig
 from plexus.errors import ConfigError
-from plexus.parallel.partition import ModelGraph, PartitionPlan, plan_partitions, trace_model
+from plexus.parallel.partition import ModelGraph, PartitionPlan, Transfer, plan_partitions, trace_model
+from plexus.parallel.schedules import make_schedule
 from plexus.parallel.stages import StageProgram, StageStep, merge_state_dicts
 from plexus.parallel.tensor import TensorPlan, merge_tensor_states, predict_traffic
 
@@ -166,6 +167,22 @@ class _Exchange(torch.autograd.Function):
         return (None, None, *grads)
 
 
+class _Deposit(torch.autograd.Function):
+    """A pipelined step's result for its synchroniser: the loss, whose backward leaves in
+    each parameter the gradient the micro-batches accumulated (``grads``), once, as one
+    backward of the whole batch would (so gradient hooks, all-reduce buckets among them,
+    fire once per step)."""
+
+    @staticmethod
+    def forward(ctx, grads: list[torch.Tensor], loss: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        ctx.grads = grads
+        return loss.detach().clone()
+
+    @staticmethod
+    def backward(ctx, _grad: torch.Tensor):
+        return (None, None, *ctx.grads)
+
+
 class StageExecutor:
     """This process's stage of one replica: its program, its links to the stages it
     exchanges values with, and ``loss_fn``, the stage's part of a step over them, which
@@ -193,6 +210,13 @@ class StageExecutor:
         # the same shard of the other stages, each of which holds every value whole.
         self.shard, self.shards = shard, shards
         self.tensor_plan, self.tensor_group = tensor if tensor is not None else (None, None)
+        # --microbatches M > 1: a pipeline, each step the M micro-batches' forwards and
+        # backwards in the order ``schedule.ops(stage)`` gives (parallel/schedules.py).
+        self.microbatches = cfg.parallel.microbatches
+        self.schedule = make_schedule(cfg.parallel.schedule, plan.stages, self.microbatches) \
+            if self.microbatches > 1 else None
+        self.in_flight = 0  # the most micro-batches whose activations this stage held at once
+        self.pipeline_s = self.pipeline_idle_s = 0.0
         self.batch = cfg.run.batch_size // replicas  # this replica's slice of the global batch
         self.k = k = program.index
         self.step_runner = StageStep(program)
@@ -231,6 +255,7 @@ class StageExecutor:
         self.t0 = time.time()  # the training clock's origin, for the time line (``start_clock``)
         self._marks: dict[str, float] = {}
         self._waits: list[tuple[float, float]] = []
+        self._ops: list[tuple[str, float, float]] = []
         self.timeline: deque[list[list[Any]]] = deque(maxlen=self.TIMELINE_STEPS)
 
     def name(self, j: int, shard: int | None = None) -> str:
@@ -266,6 +291,7 @@ class StageExecutor:
     def begin_step(self) -> None:
         self._marks = {"start": time.time()}
         self._waits = []
+        self._ops: list[tuple[str, float, float]] = []  # a pipeline's (forward | backward, start, end)
 
     def end_step(self) -> None:
         """Close the step's accounts: waiting, computing, and the synchroniser's share."""
@@ -284,9 +310,12 @@ class StageExecutor:
         self.idle_s += idle
         spans = [["sync" if kind == "sync" else "compute", m["start"], forward]]
         at = forward
-        for a, b in waits:
-            spans += [["compute", at, a], ["wait", a, b]]
-            at = b
+        # Inside the stage's part: waits, a pipeline's micro-batch forwards and backwards,
+        # and computing in between.
+        for what, a, b in sorted([("wait", a, b) for a, b in waits] + self._ops, key=lambda span: span[1]):
+            a = max(a, at)
+            spans += [["compute", at, a], [what, a, b]]
+            at = max(at, b)
         spans += [["compute", at, backward], [kind, backward, end]]
         self.timeline.append([[what, a - self.t0, b - self.t0] for what, a, b in spans if b > a])
 
@@ -297,6 +326,8 @@ class StageExecutor:
         p = self.program
         self._marks.setdefault("start", time.time())
         self._marks["forward"] = time.time()
+        if self.schedule is not None:
+            return self._pipelined_loss(model, x, y)
         received: dict[str, torch.Tensor] = {}
         wanted = []
         for t in p.receives:
@@ -313,6 +344,79 @@ class StageExecutor:
         if p.output is None:
             return zero
         return self.criterion(values[p.output], y) + zero.to(values[p.output].dtype)
+
+    def _tag(self, transfer: Transfer, microbatch: int, grad: bool) -> int:
+        """The tag of a transfer's value (or gradient) for one micro-batch of the step."""
+        return 2 * (self.index[transfer] + len(self.index) * microbatch) + int(grad)
+
+    def _pipelined_loss(self, model: torch.nn.Module, x: torch.Tensor | None, y: torch.Tensor | None
+                        ) -> torch.Tensor:
+        """The stage's part of a pipelined step: its micro-batches' forwards and backwards
+        in the schedule's order, each exchanging its values and gradients with the
+        neighbouring stages as a step of one batch does; the gradients accumulate apart
+        from the parameters and are deposited by the returned loss's backward (``_Deposit``),
+        each micro-batch's loss weighted 1/M, so that the step's gradient is the whole
+        batch's mean loss's, as in one process."""
+        p, m_count = self.program, self.microbatches
+        batch = self.batch // m_count
+        xs = x.split(batch) if x is not None else [None] * m_count
+        ys = y.split(batch) if y is not None else [None] * m_count
+        params = [q for q in model.parameters() if q.requires_grad]
+        grads = [torch.zeros_like(q) for q in params]
+        live: dict[int, tuple[StageStep, dict[str, torch.Tensor], torch.Tensor | None]] = {}
+        total = torch.zeros((), device=self.device)
+        start, waited = time.time(), len(self._waits)
+        for op in self.schedule.ops(self.k):
+            m = op.microbatch
+            if op.kind == "F":
+                received, wanted = {}, []
+                for t in p.receives:
+                    buf = torch.empty(t.shape_for(batch), dtype=getattr(torch, t.dtype), device=self.device)
+                    received[t.producer] = buf
+                    wanted.append((t.src, self._tag(t, m, False), buf))
+                self._recv_all(wanted)
+                began = time.time()
+                runner = StageStep(p)
+                values = runner.forward(received, {name: xs[m] for name in p.model_inputs}, module=model)
+                loss = self.criterion(values[p.output], ys[m]) / m_count if p.output is not None else None
+                self._ops.append(("forward", began, time.time()))
+                for t in p.sends:
+                    self._send(t.dst, self._tag(t, m, False), values[t.producer])
+                live[m] = (runner, values, loss)
+                self.in_flight = max(self.in_flight, len(live))
+                continue
+            runner, values, loss = live.pop(m)
+            tensors, seeds = ([loss], [torch.ones_like(loss)]) if loss is not None else ([], [])
+            wanted = []
+            for t in p.sends:
+                if t.grad:
+                    value = values[t.producer]
+                    wanted.append((t, torch.empty(value.shape, dtype=value.dtype, device=value.device)))
+            self._recv_all([(t.dst, self._tag(t, m, True), buf) for t, buf in wanted])
+            for t, buf in wanted:
+                tensors.append(values[t.producer])
+                seeds.append(buf)
+            began = time.time()
+            leaves = [(t, leaf) for t, leaf in runner.leaves if t.grad]
+            inputs = [*params, *(leaf for _, leaf in leaves)]
+            got = torch.autograd.grad(tensors, inputs, seeds, allow_unused=True) if tensors and inputs else []
+            for acc, g in zip(grads, got[:len(params)]):
+                if g is not None:
+                    acc.add_(g)
+            self._ops.append(("backward", began, time.time()))
+            for (t, leaf), g in zip(leaves, got[len(params):]):
+                self._send(t.src, self._tag(t, m, True), g if g is not None else torch.zeros_like(leaf))
+            if loss is not None:
+                total = total + loss.detach()
+        begin = time.time()
+        for work in self._sends:
+            work.wait()
+        self._sends = []
+        self._marks["backward"] = time.time()
+        self._waits.append((begin, self._marks["backward"]))
+        self.pipeline_s += self._marks["backward"] - start
+        self.pipeline_idle_s += sum(b - a for a, b in self._waits[waited:])
+        return _Deposit.apply(grads, total, *params)
 
     def _receive_gradients(self) -> list[torch.Tensor]:
         """The gradients of the values this stage sent, summed over the stages each went to."""
@@ -375,18 +479,28 @@ class StageExecutor:
             row = snap.get(self.name(peer), {"bytes_sent": 0, "bytes_recv": 0, "msgs_sent": 0, "msgs_recv": 0})
             sent[str(peer)] = [row["msgs_sent"], row["bytes_sent"]]
             recv[str(peer)] = [row["msgs_recv"], row["bytes_recv"]]
-        predicted = {f"{s}->{d}": [m * steps, b * steps] for (s, d), (m, b) in self.plan.traffic().items()
+        # A pipeline sends each transfer once per micro-batch, a 1/M share of the batch each.
+        m_count = self.microbatches
+        predicted = {f"{s}->{d}": [m * steps * m_count, b * steps] for (s, d), (m, b) in self.plan.traffic().items()
                      if self.k in (s, d)}
         tensor = {}
         if self.tensor_plan is not None:
-            plan = predict_traffic(self.tensor_plan, self.batch, self.shards)
+            plan = {key: value * m_count for key, value in
+                    predict_traffic(self.tensor_plan, self.batch // m_count, self.shards).items()}
             rows = self.tensor_group.traffic.snapshot().values()
             tensor = {**{f"tensor_{what}_{way}": sum(row[f"{key}_{way}"] for row in rows)
                          for what, key in (("messages", "msgs"), ("bytes", "bytes")) for way in ("sent", "recv")},
                       "predicted_tensor_messages": plan["messages"] * steps,
                       "predicted_tensor_bytes": plan["bytes"] * steps,
                       "tensor_layers": [[split.name, split.kind] for split in self.tensor_plan.layers]}
-        return {"stage": self.k, "replica": self.replica, "shard": self.shard, "steps": steps, **tensor,
+        pipeline = {}
+        if self.schedule is not None:
+            pipeline = {"microbatches": self.microbatches, "schedule": self.schedule.name,
+                        "max_in_flight": self.in_flight, "pipeline_seconds": self.pipeline_s,
+                        "pipeline_idle_seconds": self.pipeline_idle_s,
+                        "bubble": self.pipeline_idle_s / self.pipeline_s if self.pipeline_s else None,
+                        "predicted_bubble": self.schedule.predicted_bubble()}
+        return {"stage": self.k, "replica": self.replica, "shard": self.shard, "steps": steps, **tensor, **pipeline,
                 "nodes": list(self.plan.partitions[self.k].compute), "compute_seconds": self.compute_s,
                 "idle_seconds": self.idle_s, "sync_seconds": self.sync_s,
                 "timeline": [span for step in self.timeline for span in step],
@@ -489,7 +603,8 @@ def stage_summary(records: dict[int, dict[str, Any]]) -> dict[str, Any]:
             "idle_seconds", "sync_seconds", "timeline", "peak_memory_bytes", "peak_memory_measure",
             "params", "bytes_sent", "bytes_recv", "snapshot_bytes_sent", "sync_bytes_sent", "sync_bytes_recv",
             "tensor_layers", "tensor_messages_sent", "tensor_bytes_sent", "tensor_messages_recv", "tensor_bytes_recv",
-            "predicted_tensor_messages", "predicted_tensor_bytes")
+            "predicted_tensor_messages", "predicted_tensor_bytes", "max_in_flight", "pipeline_seconds",
+            "pipeline_idle_seconds", "bubble")
     ordered = sorted(records.values(), key=lambda r: (r.get("replica", 0), r["stage"], r.get("shard", 0)))
     stages = [{key: rec[key] for key in keys if key in rec} for rec in ordered]
     out = {"stages": stages, "stage_traffic": rows, "traffic_matches_plan": ok and bool(records)}
@@ -498,6 +613,14 @@ def stage_summary(records: dict[int, dict[str, Any]]) -> dict[str, Any]:
             rec["tensor_bytes_sent"] == rec["tensor_bytes_recv"] == rec["predicted_tensor_bytes"]
             and rec["tensor_messages_sent"] == rec["tensor_messages_recv"] == rec["predicted_tensor_messages"]
             for rec in records.values())
+    piped = [rec for rec in records.values() if rec.get("bubble") is not None]
+    if piped:
+        # The bubble: the share of the pipelined part of its steps each stage spent waiting,
+        # averaged over the stage processes, beside the schedule's closed form.
+        out["pipeline"] = {"schedule": piped[0]["schedule"], "microbatches": piped[0]["microbatches"],
+                           "bubble_measured": sum(rec["bubble"] for rec in piped) / len(piped),
+                           "bubble_predicted": piped[0]["predicted_bubble"],
+                           "max_in_flight": max(rec["max_in_flight"] for rec in piped)}
     replicas = {rec.get("replica", 0) for rec in records.values()}
     if len(replicas) > 1:
         out["replicas"] = len(replicas)

@@ -113,6 +113,11 @@ class StageStep:
         return dict(self._outputs)
 
     @property
+    def leaves(self) -> list[tuple[Transfer, torch.Tensor]]:
+        """The last forward's received values, as the leaf tensors it ran on."""
+        return self._leaves
+
+    @property
     def outputs(self) -> dict[str, torch.Tensor]:
         """The values of the last forward, by name."""
         return self._outputs

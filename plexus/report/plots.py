@@ -311,9 +311,11 @@ def _time_line(runs: Sequence[PlotRun], out: Path) -> Path | None:
 
 
 # Compute and waiting in the colours of _time_line; the replicas' synchronisation apart.
-_STAGE_COLOURS = {"compute": "#4c72b0", "wait": "#dd8452", "sync": "#55a868"}
-_STAGE_KIND_NAMES = {"compute": "compute (forward, backward, optimizer)",
-                     "wait": "waiting for other stages", "sync": "sync across replicas"}
+_STAGE_COLOURS = {"compute": "#4c72b0", "forward": "#64b5cd", "backward": "#8172b3", "wait": "#dd8452",
+                  "sync": "#55a868"}
+_STAGE_KIND_NAMES = {"compute": "compute (forward, backward, optimizer)", "forward": "a micro-batch's forward",
+                     "backward": "a micro-batch's backward", "wait": "waiting for other stages",
+                     "sync": "sync across replicas"}
 
 
 def _stage_time_line(runs: Sequence[PlotRun], out: Path) -> Path | None:
@@ -345,7 +347,7 @@ def _stage_time_line(runs: Sequence[PlotRun], out: Path) -> Path | None:
     axes[-1].axis("off")
     drawn = [k for k in KINDS if any(span[0] == k for _, lanes in panels for lane in lanes for span in lane.spans)]
     axes[-1].legend(handles=[Patch(color=_STAGE_COLOURS[k], label=_STAGE_KIND_NAMES[k]) for k in drawn],
-                    fontsize="x-small", loc="center", ncol=len(drawn), frameon=False)
+                    fontsize="x-small", loc="center", ncol=min(len(drawn), 3), frameon=False)
     fig.savefig(out, format="png")
     return out
 

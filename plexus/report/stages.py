@@ -26,11 +26,12 @@ __all__ = ["KINDS", "Lane", "stage_name", "timeline_lanes", "TRAFFIC_HEAD", "tra
 
 MISSING = "–"
 
-Kind = Literal["compute", "wait", "sync"]
-# compute: forward, backward and optimizer step of the stage's layers; wait: blocked on
+Kind = Literal["compute", "forward", "backward", "wait", "sync"]
+# compute: forward, backward and optimizer step of the stage's layers; in a pipeline
+# (--microbatches), forward and backward: one micro-batch's each; wait: blocked on
 # activations or gradients from a neighbouring stage; sync: the stage group's strategy
 # agreeing with the other replicas (only with --workers R > 1).
-KINDS: tuple[Kind, ...] = ("compute", "wait", "sync")
+KINDS: tuple[Kind, ...] = ("compute", "forward", "backward", "wait", "sync")
 
 Cell = tuple[str, Any, str]  # (text, sort key, hover text); the sort key is "" for a missing value
 

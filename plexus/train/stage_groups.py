@@ -75,6 +75,13 @@ def check_stages(cfg: JobConfig) -> None:
             flag = "--" + key.replace("_", "-")
             raise ConfigError(f"{flag} does not apply to {cut}: one replica cut into stages all-reduces "
                               f"nothing; drop {flag}")
+    m_count, share = cfg.parallel.microbatches, cfg.run.batch_size // replicas
+    if share % m_count:
+        raise ConfigError(f"--microbatches {m_count} must divide each replica's batch ({share} = --batch-size "
+                          f"{cfg.run.batch_size} / {replicas} replicas): pass a --microbatches that divides {share}")
+    if m_count == 1 and settings["schedule"]["source"] != "default":
+        raise ConfigError(f"--schedule orders the micro-batches of a pipeline, and there is one: pass --microbatches "
+                          f"M (2 or more), or drop --schedule")
     shards = cfg.parallel.tensor_parallel
     if shards > 1 and replicas > 1 and (s.strategy not in ("allreduce", "gossip", "local-sgd")
                                         or is_asynchronous(cfg.to_flat())):

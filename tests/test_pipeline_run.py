@@ -1,0 +1,59 @@
+"""plexus train --stages K --microbatches M --schedule S: each replica's batch pipelined
+through its stages in micro-batches (parallel/executor.py, parallel/schedules.py).
+
+The oracle is a one-process run of the same job: a synchronous schedule makes one
+optimizer step per batch on the gradient of the whole batch's mean loss, so K stages and
+M micro-batches must give the same model to float32 rounding. Each cut edge carries one
+message per micro-batch, the plan's bytes in all, and a stage holds at most the
+activations its schedule keeps in flight (GPipe: M; 1F1B: K - k on stage k)."""
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from test_cli import assert_usage_error
+from test_stages_run import _train, assert_same_model
+
+STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    return _train(tmp_path_factory.mktemp("one"), "one", model="deep-mlp", workers=1)[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parallel
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages", [2, 3, 4])
+@pytest.mark.parametrize("microbatches", [2, 4, 8])
+def test_a_synchronous_pipeline_equals_one_process(schedule, stages, microbatches, one_process, tmp_path):
+    summary, got = _train(tmp_path, "pipe", model="deep-mlp", stages=stages, microbatches=microbatches,
+                          schedule=schedule)
+    assert_same_model(got, one_process)
+    assert summary["traffic_matches_plan"] is True
+    for row in summary["stage_traffic"]:
+        assert row["messages_sent"] == STEPS * microbatches  # one message per micro-batch and edge
+    pipeline = summary["pipeline"]
+    assert (pipeline["schedule"], pipeline["microbatches"]) == (schedule, microbatches)
+    assert pipeline["bubble_predicted"] == pytest.approx((stages - 1) / (microbatches + stages - 1))
+    held = {s["stage"]: s["max_in_flight"] for s in summary["stages"]}
+    if schedule == "gpipe":
+        assert held == {k: microbatches for k in range(stages)}
+    else:  # 1F1B: stage k starts K - k micro-batches before its first backward
+        assert held == {k: min(stages - k, microbatches) for k in range(stages)}
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--stages", "2", "--microbatches", "3"], ("--microbatches 3 must divide each replica's batch",)),
+    (["--stages", "2", "--schedule", "gpipe"], ("--schedule orders the micro-batches of a pipeline",)),
+    (["--microbatches", "4"], ("microbatches", "--stages K, K at least 2")),
+    (["--stages", "2", "--workers", "2", "--batch-size", "36", "--microbatches", "4"],
+     ("each replica's batch (18 = --batch-size 36 / 2 replicas)",)),
+])
+def test_bad_pipeline_input_is_one_line_and_status_2(args, needles, capsys, tmp_path):
+    from plexus.cli import main
+    status = main(["train", "--dataset", "digits", "--out", str(tmp_path / "x"), *args])
+    err = capsys.readouterr().err
+    assert_usage_error(subprocess.CompletedProcess([], status, "", err), *needles)
