@@ -126,6 +126,8 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
           help="pipeline the stages: each replica's batch in M micro-batches (default 1, no pipeline)")
     _flag(g, "schedule", choices=["gpipe", "1f1b"],
           help="the order each stage runs its micro-batches' forwards and backwards (default 1f1b)")
+    _flag(g, "recompute", action="store_const", const=True,
+          help="keep only each micro-batch's inputs and run its forward again for its backward")
     g = parser.add_argument_group("optimisation")
     _flag(g, "optimizer", choices=["sgd", "adam", "adagrad"], help="optimizer (default sgd)")
     _flag(g, "lr", type=float, help="learning rate (default 0.1)")

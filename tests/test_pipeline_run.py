@@ -49,6 +49,7 @@ def test_a_synchronous_pipeline_equals_one_process(schedule, stages, microbatche
     (["--stages", "2", "--microbatches", "3"], ("--microbatches 3 must divide each replica's batch",)),
     (["--stages", "2", "--schedule", "gpipe"], ("--schedule orders the micro-batches of a pipeline",)),
     (["--microbatches", "4"], ("microbatches", "--stages K, K at least 2")),
+    (["--stages", "2", "--recompute"], ("recompute", "applies to pipelines")),
     (["--stages", "2", "--workers", "2", "--batch-size", "36", "--microbatches", "4"],
      ("each replica's batch (18 = --batch-size 36 / 2 replicas)",)),
 ])
@@ -84,3 +85,22 @@ def test_pipelined_replicas_learn_under_servers_and_local_sgd(flags, tmp_path):
     if flags.get("consistency") == "asp":
         # Each stage replica pushes on its own clock (HetPipe's workers): staleness per stage.
         assert all(g["staleness_mean"] > 0 for g in piped["stage_groups"])
+
+
+@pytest.mark.slow
+@pytest.mark.parallel
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_recomputation_trades_activations_for_compute(schedule, one_process, tmp_path):
+    """--recompute: a micro-batch keeps only its inputs until its backward runs its forward
+    again; the model is the same, and the activations held shrink to the inputs'."""
+    kept, _ = _train(tmp_path, "kept", model="deep-mlp", stages=2, microbatches=4, schedule=schedule)
+    summary, got = _train(tmp_path, "again", model="deep-mlp", stages=2, microbatches=4, schedule=schedule,
+                          recompute=True)
+    assert_same_model(got, one_process)
+    held = {s["stage"]: s["max_in_flight"] for s in summary["stages"]}
+    bytes_held = {s["stage"]: s["peak_activation_bytes"] for s in summary["stages"]}
+    # Stage 0's inputs: 8 samples of 64 float32 features per micro-batch held.
+    assert bytes_held[0] == held[0] * 8 * 64 * 4
+    for before, after in zip(kept["stages"], summary["stages"]):
+        assert after["peak_activation_bytes"] < before["peak_activation_bytes"]
+    assert summary["pipeline"]["recompute"] is True

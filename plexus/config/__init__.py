@@ -130,6 +130,9 @@ class ParallelConfig:
     # forward, then every backward) or 1f1b (one forward, one backward; at most K
     # micro-batches' activations held, not M).
     schedule: str = "1f1b"
+    # A pipeline's micro-batch keeps only its inputs between its forward and its backward,
+    # which runs the forward again (activation recomputation: compute for memory).
+    recompute: bool = False
 
     def __post_init__(self) -> None:
         _require(self.stages >= 1, "stages", "must be at least 1", self.stages, "pass --stages 2")
@@ -139,6 +142,8 @@ class ParallelConfig:
                  "pass --microbatches 4")
         _require(self.schedule in PIPELINE_SCHEDULES, "schedule", f"must be one of {', '.join(PIPELINE_SCHEDULES)}",
                  self.schedule, "pass --schedule 1f1b")
+        _require(not self.recompute or self.microbatches > 1, "recompute", "applies to pipelines",
+                 self.recompute, "pass --microbatches M (2 or more), or drop --recompute")
         _require(self.microbatches == 1 or self.stages > 1, "microbatches",
                  "pipelines the stages of --stages K, K at least 2", self.microbatches,
                  "pass --stages 2 or more, or drop --microbatches")

@@ -35,6 +35,7 @@ import logging
 import resource
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -183,6 +184,19 @@ class _Deposit(torch.autograd.Function):
         return (None, None, *ctx.grads)
 
 
+@dataclass
+class _Microbatch:
+    """A micro-batch between its forward and its backward on one stage."""
+
+    runner: StageStep
+    values: dict[str, torch.Tensor]
+    loss: torch.Tensor | None
+    received: dict[str, torch.Tensor]
+    x: torch.Tensor | None
+    y: torch.Tensor | None
+    held: int  # bytes of activations kept for its backward
+
+
 class StageExecutor:
     """This process's stage of one replica: its program, its links to the stages it
     exchanges values with, and ``loss_fn``, the stage's part of a step over them, which
@@ -216,6 +230,9 @@ class StageExecutor:
         self.schedule = make_schedule(cfg.parallel.schedule, plan.stages, self.microbatches) \
             if self.microbatches > 1 else None
         self.in_flight = 0  # the most micro-batches whose activations this stage held at once
+        self.peak_activation_bytes = 0  # the most bytes of them, at once
+        # --recompute: a micro-batch's forward keeps only its inputs; its backward runs it again.
+        self.recompute = cfg.parallel.recompute
         self.pipeline_s = self.pipeline_idle_s = 0.0
         self.batch = cfg.run.batch_size // replicas  # this replica's slice of the global batch
         self.k = k = program.index
@@ -349,6 +366,28 @@ class StageExecutor:
         """The tag of a transfer's value (or gradient) for one micro-batch of the step."""
         return 2 * (self.index[transfer] + len(self.index) * microbatch) + int(grad)
 
+    def _forward(self, model: torch.nn.Module, received: dict[str, torch.Tensor], x: torch.Tensor | None,
+                 y: torch.Tensor | None, grad: bool) -> "_Microbatch":
+        """One micro-batch's forward (and loss, weighted 1/M, on the output stage), and
+        the bytes of activations it leaves for its backward: what autograd saved, apart
+        from the parameters (``grad``), or, recomputing, only its inputs."""
+        p = self.program
+        runner = StageStep(p)
+        params = {q.data_ptr() for q in model.parameters()}
+        saved: dict[int, int] = {}
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.data_ptr() not in params:
+                saved[tensor.data_ptr()] = tensor.numel() * tensor.element_size()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), torch.set_grad_enabled(grad):
+            values = runner.forward(received, {name: x for name in p.model_inputs}, module=model)
+            loss = self.criterion(values[p.output], y) / self.microbatches if p.output is not None else None
+        held = sum(saved.values()) if grad else \
+            sum(v.numel() * v.element_size() for v in (*received.values(), *([x] if p.model_inputs else [])))
+        return _Microbatch(runner, values, loss, received, x, y, held)
+
     def _pipelined_loss(self, model: torch.nn.Module, x: torch.Tensor | None, y: torch.Tensor | None
                         ) -> torch.Tensor:
         """The stage's part of a pipelined step: its micro-batches' forwards and backwards
@@ -363,7 +402,7 @@ class StageExecutor:
         ys = y.split(batch) if y is not None else [None] * m_count
         params = [q for q in model.parameters() if q.requires_grad]
         grads = [torch.zeros_like(q) for q in params]
-        live: dict[int, tuple[StageStep, dict[str, torch.Tensor], torch.Tensor | None]] = {}
+        live: dict[int, _Microbatch] = {}
         total = torch.zeros((), device=self.device)
         start, waited = time.time(), len(self._waits)
         for op in self.schedule.ops(self.k):
@@ -376,27 +415,31 @@ class StageExecutor:
                     wanted.append((t.src, self._tag(t, m, False), buf))
                 self._recv_all(wanted)
                 began = time.time()
-                runner = StageStep(p)
-                values = runner.forward(received, {name: xs[m] for name in p.model_inputs}, module=model)
-                loss = self.criterion(values[p.output], ys[m]) / m_count if p.output is not None else None
+                mb = self._forward(model, received, xs[m], ys[m], grad=not self.recompute)
                 self._ops.append(("forward", began, time.time()))
                 for t in p.sends:
-                    self._send(t.dst, self._tag(t, m, False), values[t.producer])
-                live[m] = (runner, values, loss)
+                    self._send(t.dst, self._tag(t, m, False), mb.values[t.producer])
+                if mb.loss is not None:
+                    total = total + mb.loss.detach()
+                live[m] = mb
                 self.in_flight = max(self.in_flight, len(live))
+                self.peak_activation_bytes = max(self.peak_activation_bytes, sum(b.held for b in live.values()))
                 continue
-            runner, values, loss = live.pop(m)
-            tensors, seeds = ([loss], [torch.ones_like(loss)]) if loss is not None else ([], [])
+            mb = live.pop(m)
             wanted = []
             for t in p.sends:
                 if t.grad:
-                    value = values[t.producer]
+                    value = mb.values[t.producer]
                     wanted.append((t, torch.empty(value.shape, dtype=value.dtype, device=value.device)))
             self._recv_all([(t.dst, self._tag(t, m, True), buf) for t, buf in wanted])
+            began = time.time()
+            if self.recompute:  # the forward again, now keeping what backward needs
+                mb = self._forward(model, mb.received, mb.x, mb.y, grad=True)
+            runner, values, loss = mb.runner, mb.values, mb.loss
+            tensors, seeds = ([loss], [torch.ones_like(loss)]) if loss is not None else ([], [])
             for t, buf in wanted:
                 tensors.append(values[t.producer])
                 seeds.append(buf)
-            began = time.time()
             leaves = [(t, leaf) for t, leaf in runner.leaves if t.grad]
             inputs = [*params, *(leaf for _, leaf in leaves)]
             got = torch.autograd.grad(tensors, inputs, seeds, allow_unused=True) if tensors and inputs else []
@@ -406,8 +449,6 @@ class StageExecutor:
             self._ops.append(("backward", began, time.time()))
             for (t, leaf), g in zip(leaves, got[len(params):]):
                 self._send(t.src, self._tag(t, m, True), g if g is not None else torch.zeros_like(leaf))
-            if loss is not None:
-                total = total + loss.detach()
         begin = time.time()
         for work in self._sends:
             work.wait()
@@ -496,7 +537,8 @@ class StageExecutor:
         pipeline = {}
         if self.schedule is not None:
             pipeline = {"microbatches": self.microbatches, "schedule": self.schedule.name,
-                        "max_in_flight": self.in_flight, "pipeline_seconds": self.pipeline_s,
+                        "max_in_flight": self.in_flight, "peak_activation_bytes": self.peak_activation_bytes,
+                        "recompute": self.recompute, "pipeline_seconds": self.pipeline_s,
                         "pipeline_idle_seconds": self.pipeline_idle_s,
                         "bubble": self.pipeline_idle_s / self.pipeline_s if self.pipeline_s else None,
                         "predicted_bubble": self.schedule.predicted_bubble()}
@@ -603,7 +645,8 @@ def stage_summary(records: dict[int, dict[str, Any]]) -> dict[str, Any]:
             "idle_seconds", "sync_seconds", "timeline", "peak_memory_bytes", "peak_memory_measure",
             "params", "bytes_sent", "bytes_recv", "snapshot_bytes_sent", "sync_bytes_sent", "sync_bytes_recv",
             "tensor_layers", "tensor_messages_sent", "tensor_bytes_sent", "tensor_messages_recv", "tensor_bytes_recv",
-            "predicted_tensor_messages", "predicted_tensor_bytes", "max_in_flight", "pipeline_seconds",
+            "predicted_tensor_messages", "predicted_tensor_bytes", "max_in_flight", "peak_activation_bytes",
+            "pipeline_seconds",
             "pipeline_idle_seconds", "bubble")
     ordered = sorted(records.values(), key=lambda r: (r.get("replica", 0), r["stage"], r.get("shard", 0)))
     stages = [{key: rec[key] for key in keys if key in rec} for rec in ordered]
@@ -620,7 +663,9 @@ def stage_summary(records: dict[int, dict[str, Any]]) -> dict[str, Any]:
         out["pipeline"] = {"schedule": piped[0]["schedule"], "microbatches": piped[0]["microbatches"],
                            "bubble_measured": sum(rec["bubble"] for rec in piped) / len(piped),
                            "bubble_predicted": piped[0]["predicted_bubble"],
-                           "max_in_flight": max(rec["max_in_flight"] for rec in piped)}
+                           "max_in_flight": max(rec["max_in_flight"] for rec in piped),
+                           "peak_activation_bytes": max(rec["peak_activation_bytes"] for rec in piped),
+                           "recompute": piped[0]["recompute"]}
     replicas = {rec.get("replica", 0) for rec in records.values()}
     if len(replicas) > 1:
         out["replicas"] = len(replicas)
