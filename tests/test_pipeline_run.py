@@ -38,6 +38,7 @@ def test_a_synchronous_pipeline_equals_one_process(schedule, stages, microbatche
     pipeline = summary["pipeline"]
     assert (pipeline["schedule"], pipeline["microbatches"]) == (schedule, microbatches)
     assert pipeline["bubble_predicted"] == pytest.approx((stages - 1) / (microbatches + stages - 1))
+    assert 0 <= pipeline["bubble_simulated"] < 1 and 0 <= pipeline["bubble_measured"] < 1
     held = {s["stage"]: s["max_in_flight"] for s in summary["stages"]}
     if schedule == "gpipe":
         assert held == {k: microbatches for k in range(stages)}

@@ -238,3 +238,15 @@ def test_bad_input_is_one_config_error_line():
         assert "\n" not in str(caught.value)
     for name in SCHEDULES:
         assert make_schedule(name, 4, 8, chunks=2 if name == "interleaved" else 1).name == name
+
+
+def test_simulate_takes_each_stage_its_own_costs():
+    """Measured costs differ per stage: equal ones give the scalar run's timeline, and a
+    slower stage leaves the others idle beyond the closed form."""
+    schedule = make_schedule("1f1b", 3, 4)
+    assert simulate(schedule, [1.0] * 3, [2.0] * 3) == simulate(schedule, 1.0, 2.0)
+    uneven = simulate(schedule, [1.0, 2.0, 1.0], [2.0, 4.0, 2.0])
+    assert uneven.bubble > schedule.predicted_bubble() + 0.05
+    assert uneven.busy == (12.0, 24.0, 12.0)
+    with pytest.raises(ConfigError, match="3 stages need 3 forward and backward costs"):
+        simulate(schedule, [1.0, 1.0], 2.0)

@@ -46,7 +46,7 @@ from plexus.cluster.traffic import Traffic
 from plexus.config import JobConfig
 from plexus.errors import ConfigError
 from plexus.parallel.partition import ModelGraph, PartitionPlan, Transfer, plan_partitions, trace_model
-from plexus.parallel.schedules import make_schedule
+from plexus.parallel.schedules import make_schedule, simulate
 from plexus.parallel.stages import StageProgram, StageStep, merge_state_dicts
 from plexus.parallel.tensor import TensorPlan, merge_tensor_states, predict_traffic
 
@@ -234,6 +234,7 @@ class StageExecutor:
         # --recompute: a micro-batch's forward keeps only its inputs; its backward runs it again.
         self.recompute = cfg.parallel.recompute
         self.pipeline_s = self.pipeline_idle_s = 0.0
+        self.op_seconds = {"forward": [0.0, 0], "backward": [0.0, 0]}  # [sum, count] of micro-batch ops
         self.batch = cfg.run.batch_size // replicas  # this replica's slice of the global batch
         self.k = k = program.index
         self.step_runner = StageStep(program)
@@ -456,6 +457,9 @@ class StageExecutor:
         self._marks["backward"] = time.time()
         self._waits.append((begin, self._marks["backward"]))
         self.pipeline_s += self._marks["backward"] - start
+        for kind, a, b in self._ops:
+            self.op_seconds[kind][0] += b - a
+            self.op_seconds[kind][1] += 1
         self.pipeline_idle_s += sum(b - a for a, b in self._waits[waited:])
         return _Deposit.apply(grads, total, *params)
 
@@ -541,7 +545,9 @@ class StageExecutor:
                         "recompute": self.recompute, "pipeline_seconds": self.pipeline_s,
                         "pipeline_idle_seconds": self.pipeline_idle_s,
                         "bubble": self.pipeline_idle_s / self.pipeline_s if self.pipeline_s else None,
-                        "predicted_bubble": self.schedule.predicted_bubble()}
+                        "predicted_bubble": self.schedule.predicted_bubble(),
+                        **{f"{kind}_op_seconds": total / count if count else None
+                           for kind, (total, count) in self.op_seconds.items()}}
         return {"stage": self.k, "replica": self.replica, "shard": self.shard, "steps": steps, **tensor, **pipeline,
                 "nodes": list(self.plan.partitions[self.k].compute), "compute_seconds": self.compute_s,
                 "idle_seconds": self.idle_s, "sync_seconds": self.sync_s,
@@ -646,8 +652,7 @@ def stage_summary(records: dict[int, dict[str, Any]]) -> dict[str, Any]:
             "params", "bytes_sent", "bytes_recv", "snapshot_bytes_sent", "sync_bytes_sent", "sync_bytes_recv",
             "tensor_layers", "tensor_messages_sent", "tensor_bytes_sent", "tensor_messages_recv", "tensor_bytes_recv",
             "predicted_tensor_messages", "predicted_tensor_bytes", "max_in_flight", "peak_activation_bytes",
-            "pipeline_seconds",
-            "pipeline_idle_seconds", "bubble")
+            "pipeline_seconds", "pipeline_idle_seconds", "bubble", "forward_op_seconds", "backward_op_seconds")
     ordered = sorted(records.values(), key=lambda r: (r.get("replica", 0), r["stage"], r.get("shard", 0)))
     stages = [{key: rec[key] for key in keys if key in rec} for rec in ordered]
     out = {"stages": stages, "stage_traffic": rows, "traffic_matches_plan": ok and bool(records)}
@@ -658,11 +663,20 @@ def stage_summary(records: dict[int, dict[str, Any]]) -> dict[str, Any]:
             for rec in records.values())
     piped = [rec for rec in records.values() if rec.get("bubble") is not None]
     if piped:
+        # The schedule run in virtual time with each stage's measured micro-batch forward
+        # and backward (replica 0, shard 0): the bubble the stages' unequal costs leave,
+        # with transfers and the time between ops left out.
+        lane = sorted((rec for rec in piped if rec.get("replica", 0) == 0 and rec.get("shard", 0) == 0),
+                      key=lambda rec: rec["stage"])
+        schedule = make_schedule(lane[0]["schedule"], len(lane), lane[0]["microbatches"])
+        simulated = simulate(schedule, [rec["forward_op_seconds"] for rec in lane],
+                             [rec["backward_op_seconds"] for rec in lane]).bubble
         # The bubble: the share of the pipelined part of its steps each stage spent waiting,
         # averaged over the stage processes, beside the schedule's closed form.
         out["pipeline"] = {"schedule": piped[0]["schedule"], "microbatches": piped[0]["microbatches"],
                            "bubble_measured": sum(rec["bubble"] for rec in piped) / len(piped),
                            "bubble_predicted": piped[0]["predicted_bubble"],
+                           "bubble_simulated": simulated,
                            "max_in_flight": max(rec["max_in_flight"] for rec in piped),
                            "peak_activation_bytes": max(rec["peak_activation_bytes"] for rec in piped),
                            "recompute": piped[0]["recompute"]}

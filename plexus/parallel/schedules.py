@@ -32,7 +32,7 @@ whether the stage steps after it, so the executor never derives either.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Sequence
 
 from plexus.errors import ConfigError, PlexusError
 
@@ -371,17 +371,26 @@ class Timeline:
         return sum(self.idle) / (self.makespan * len(self.times)) if self.makespan else 0.0
 
 
-def simulate(schedule: Schedule, forward: float = 1.0, backward: float = 2.0, weight: float | None = None) -> Timeline:
+def simulate(schedule: Schedule, forward: float | Sequence[float] = 1.0, backward: float | Sequence[float] = 2.0,
+             weight: float | None = None) -> Timeline:
     """Run ``schedule``'s op lists in virtual time: ops of a stage one after another, each
     starting once the op it depends on in the neighbouring stage has ended (communication
-    free). ``forward`` and ``backward`` are one stage's costs for one micro-batch (a chunk
-    op costs 1/v of them). Under zb-h1 ``backward`` is B's cost and ``weight`` W's; both
-    default to half of ``backward``, the split of a whole backward into two equal halves.
-    Raises ScheduleError when an op depends on one that never runs (a deadlock)."""
+    free). ``forward`` and ``backward`` are a stage's costs for one micro-batch: one for
+    every stage, or one per stage (measured costs, say; a chunk op costs 1/v of them).
+    Under zb-h1 ``backward`` is B's cost and ``weight`` W's; both default to half of
+    ``backward``, the split of a whole backward into two equal halves. Raises
+    ScheduleError when an op depends on one that never runs (a deadlock)."""
     k, v = schedule.stages, schedule.chunks
+    forwards = [float(forward)] * k if isinstance(forward, (int, float)) else [float(f) for f in forward]
+    backwards = [float(backward)] * k if isinstance(backward, (int, float)) else [float(b) for b in backward]
+    if len(forwards) != k or len(backwards) != k:
+        raise ConfigError(f"simulate: {k} stages need {k} forward and backward costs, got {len(forwards)} and "
+                          f"{len(backwards)}")
+    weights = [weight if weight is not None else b / 2 for b in backwards]
     if schedule.splits_backward and weight is None:
-        backward = weight = backward / 2
-    cost = {"F": forward / v, "B": backward / v, "W": (weight or 0.0) / v}
+        backwards = [b / 2 for b in backwards]
+    costs = [{"F": forwards[s] / v, "B": backwards[s] / v, "W": (weights[s] if schedule.splits_backward else 0.0) / v}
+             for s in range(k)]
     lists = [schedule.ops(s) for s in range(k)]
     ended: dict[tuple[str, int, int], float] = {}  # (kind, micro-batch, virtual stage) -> end
     times: list[list[tuple[Op, float, float]]] = [[] for _ in range(k)]
@@ -397,7 +406,7 @@ def simulate(schedule: Schedule, forward: float = 1.0, backward: float = 2.0, we
                 if any(need not in ended for need in needs):
                     break
                 start = max([clock[s], *(ended[need] for need in needs)])
-                clock[s] = start + cost[op.kind]
+                clock[s] = start + costs[s][op.kind]
                 ended[(op.kind, op.microbatch, virtual)] = clock[s]
                 times[s].append((op, start, clock[s]))
                 position[s] += 1
