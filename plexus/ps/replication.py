@@ -185,6 +185,12 @@ def _link_tag(shard: int) -> str:
     return f"replica {shard}"
 
 
+def draining_key(server: int) -> str:
+    """Set to ask ``server`` to drain (``plexus drain``), and by the server as it drains:
+    every shard and replica it holds leaves with it."""
+    return f"ps/drain/{server}"
+
+
 class Replicator:
     """The primary's side: one thread per replica sends the newest state and waits for
     its acknowledgement. ``snapshot`` (called under ``cond``) returns the current state
@@ -274,7 +280,12 @@ class Replicator:
                 if final or state.handoff == replica:  # the job ended, or the replica took the shard
                     return
         except CommError as exc:
-            logger.warning("server %d: lost replica server %d of shard %d: %s", self.host, replica, self.shard, exc)
+            if self.store.check([draining_key(replica)]):  # a planned drain, not a fault
+                logger.warning("server %d: replica server %d of shard %d drained away; %d live replicas left",
+                               self.host, replica, self.shard, len(self.live) - 1)
+            else:
+                logger.warning("server %d: lost replica server %d of shard %d: %s", self.host, replica, self.shard,
+                               exc)
             with self.cond:
                 self.live.pop(replica, None)
                 self.lost[replica] = str(exc)

@@ -55,7 +55,8 @@ from plexus.errors import CommError, CommTimeout, ProtocolError
 from plexus.ps.consistency import Consistency, Push, SoftSync, make_consistency
 from plexus.ps.heartbeat import Log, Watch, beat_key
 from plexus.ps.optimizers import ServerOptimizer, make_server_optimizer
-from plexus.ps.replication import Replicator, ShardState, WorkerRow, handoff_key, owner_of, successors
+from plexus.ps.replication import (Replicator, ShardState, WorkerRow, draining_key, handoff_key, owner_of,
+                                   successors)
 from plexus.ps.protocol import (HEADER_BYTES, MEMBER_FIELDS, SENTINEL, Header, Op, ShardSpec, Status, check_request,
                                 code_dtype, decode, encode, header_buffer, mark_payload, payload_short,
                                 request_payloads)
@@ -120,10 +121,7 @@ class KEYS:
     def migration(shard: int, i: int) -> str:
         return f"ps/migrations/{shard}/{i}"
 
-    @staticmethod
-    def draining(server: int) -> str:
-        """Set to ask ``server`` to drain (``plexus drain``), and by the server as it drains."""
-        return f"ps/drain/{server}"
+    draining = staticmethod(draining_key)
 
     @staticmethod
     def ledger_sent(worker: int) -> str:
