@@ -303,6 +303,7 @@ class ParameterServer:
         self.joined: dict[int, int] = {}   # worker -> shard version it started from
         self.lost: dict[int, str] = {}
         self.drained = False
+        self._drain_thread: threading.Thread | None = None
         self.evaluator = -1
         self.peers: dict[int, _Worker] = {}
         now = time.monotonic()
@@ -401,6 +402,10 @@ class ParameterServer:
             if _running(peer.thread):
                 peer.thread.join(timeout=max(0.0, deadline - time.monotonic()))
         self.readers.stop(deadline)
+        if self._drain_thread is not None:
+            # The workers may close their links (MOVED) before the drain has written its
+            # migration record, which this record, and the shard's next server's, read.
+            self._drain_thread.join(timeout=self.timeout)
         return self.record()
 
     def _done(self) -> bool:
@@ -784,14 +789,15 @@ class ParameterServer:
         copy (the target becomes one more replica and catches up while this server still
         serves), then switch (fence: nothing more is applied here; the target gets the
         final state, takes the owner key, and every request here is answered MOVED)."""
-        target = self._drain_target()
+        store = self.store.clone()  # its own client: the serving threads use the store meanwhile
+        target = self._drain_target(store)
         if target is None:
             logger.error("%s: cannot drain: no other live server to take shard %d", self.me, self.index)
             return
         logger.warning("%s: drains shard %d to server %d", self.me, self.index, target)
         start = time.time()
-        self.store.set(KEYS.draining(self.host), "1")  # every shard this server holds leaves with it
-        self.store.set(handoff_key(self.index), str(target))  # the target's group starts a standby
+        store.set(KEYS.draining(self.host), "1")  # every shard this server holds leaves with it
+        store.set(handoff_key(self.index), str(target))  # the target's group starts a standby
         deadline = time.monotonic() + self.timeout
         with self.cond:
             if self.replicator is None:
@@ -811,33 +817,33 @@ class ParameterServer:
             self.replicator.handoff = target
             self.changes += 1
             self.cond.notify_all()
-        while owner_of(self.store, self.index) != target and time.monotonic() < deadline:
+        while owner_of(store, self.index) != target and time.monotonic() < deadline:
             time.sleep(0.002)
         with self.cond:
             self.moved_to = target
             self.migration = {"shard": self.index, "from": self.host, "to": target, "copy_seconds": copied - start,
                               "switch_seconds": time.time() - copied, "version": self.version}
-        # The shard's last server reports every move it made (``record``). Written before
-        # ``drained``: once drained, ``serve`` returns and ``record`` reads these keys on
-        # the same store client, whose blocking get would hold this set back until timeout.
-        n = self.store.add(KEYS.migrations(self.index), 1)
-        self.store.set(KEYS.migration(self.index, n - 1), json.dumps(self.migration))
+        # The shard's last server reports every move it made (``record``); ``serve`` waits
+        # for this thread before it reads them. The workers may close their links here
+        # first (MOVED), which drains this server by itself.
+        n = store.add(KEYS.migrations(self.index), 1)
+        store.set(KEYS.migration(self.index, n - 1), json.dumps(self.migration))
         with self.cond:
             self.drained = True
             self.cond.notify_all()
         logger.warning("%s: shard %d moved to server %d at version %d", self.me, self.index, target, self.version)
 
-    def _drain_target(self) -> int | None:
+    def _drain_target(self, store: dist.Store) -> int | None:
         """A server that joined the job as a spare and is still free, else the shard's
         first successor on the ring that is neither this server nor lost."""
-        spares = int(self.store.add(KEYS.spares, 0))
+        spares = int(store.add(KEYS.spares, 0))
         for j in range(spares):
             spare = self.servers + j
-            if self.store.compare_set(KEYS.spare_claim(spare), "", str(self.index)).decode() == str(self.index):
+            if store.compare_set(KEYS.spare_claim(spare), "", str(self.index)).decode() == str(self.index):
                 return spare
         for q in successors(self.index, self.servers, self.servers - 1):
-            if q != self.host and not self.store.check([lost_key(f"server {q}")]) \
-                    and not self.store.check([KEYS.draining(q)]):
+            if q != self.host and not store.check([lost_key(f"server {q}")]) \
+                    and not store.check([KEYS.draining(q)]):
                 return q
         return None
 
@@ -1034,7 +1040,8 @@ class ParameterServer:
         if self.drain_at == -1:
             return
         self.drain_at = -1
-        threading.Thread(target=self.drain, name=f"{self.me} drain", daemon=True).start()
+        self._drain_thread = threading.Thread(target=self.drain, name=f"{self.me} drain", daemon=True)
+        self._drain_thread.start()
 
     def _take_ledger(self, group: list[Push]) -> list[torch.Tensor]:
         """``--ledger``: add the code each push carries in the shard's first element to the
