@@ -281,7 +281,6 @@ def test_seeds_below_one_is_a_usage_error(tmp_path):
 
 @pytest.mark.slow
 def test_compare_seeds_judges_each_spec_over_its_seeds(tmp_path):
-    started = time.monotonic()
     result = plexus_cli("compare", "allreduce", "ps", "--seeds", "2", "--steps", "30", "--workers", "2",
                         "--eval-every", "10", "--out", str(tmp_path), "--json")
     assert result.returncode == 0, result.stderr
@@ -301,4 +300,3 @@ def test_compare_seeds_judges_each_spec_over_its_seeds(tmp_path):
     text = result.stdout
     assert "plexus compare: judging" in text and "extra hyper-params" in text and "CPU-s" in text
     assert "<h2>Judging (2 seeds per configuration)</h2>" in (tmp_path / "index.html").read_text()
-    assert time.monotonic() - started < 60

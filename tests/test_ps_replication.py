@@ -210,3 +210,30 @@ def test_aggregator_kill_loses_only_unacknowledged_pushes(tmp_path, variant):
     assert sorted((e["node"], e["to"]) for e in summary["reattached"]) == [("worker 0", "root"), ("worker 1", "root")]
     _ledger_ok(summary)
     assert summary["updates_applied_by_worker"] == {str(w): 40 for w in range(4)}
+
+
+def test_the_summary_waits_for_the_record_of_a_shard_a_spare_took():
+    """A shard drained into a spare (``plexus server --join``, outside the launcher) is
+    recorded by the spare after its last worker left, which may be after the launcher's
+    processes ended: the summary waits for that record (CI saw it missed once)."""
+    import datetime as dt
+    import threading
+
+    import torch.distributed as dist
+
+    from plexus.ps.replication import owner_key
+    from plexus.ps.server import KEYS
+    from plexus.train.summary import collect_records
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=dt.timedelta(seconds=10))
+    cfg = JobConfig.from_flat({**BASE, "out": None})
+    store.add(KEYS.spares, 1)
+    store.set(owner_key(1), "2")  # shard 1 now lives on spare server 2
+    store.set("stats/server/0", '{"bytes_sent": 0}')
+    late = threading.Timer(0.5, lambda: store.clone().set("stats/server/1", '{"bytes_sent": 7}'))
+    late.start()
+    try:
+        records = collect_records(cfg, store)
+    finally:
+        late.join()
+    assert records["server"][1] == {"bytes_sent": 7}

@@ -85,8 +85,13 @@ class Pulse:
                 os._exit(1)
 
     def finish(self) -> None:
-        """This process ended its part normally: it is done, not silent."""
-        self.store.set(f"done/{self.name}", "1")
+        """This process ended its part normally: it is done, not silent. Under torchrun
+        worker 0 hosts the store and may already have ended the job, every record in hand:
+        then there is nobody left to tell, and this process still ended normally."""
+        try:
+            self.store.set(f"done/{self.name}", "1")
+        except RuntimeError:
+            pass
 
     def stop(self) -> None:
         self.stopped.set()

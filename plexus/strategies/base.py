@@ -130,6 +130,13 @@ class Strategy(ABC):
         return 0
 
     @classmethod
+    def late_records(cls, cfg: JobConfig, store: dist.Store) -> list[tuple[str, int]]:
+        """(role, rank) of final records that a process the launcher did not start writes
+        (a server that joined the job), which the summary waits for after the launcher's
+        processes have ended."""
+        return []
+
+    @classmethod
     def tolerates_loss(cls, cfg: JobConfig, role: str, rank: int) -> bool:
         """True when the job carries on without this process if it dies."""
         return False

@@ -70,7 +70,7 @@ from plexus.ps.heartbeat import heartbeat_summary
 from plexus.ps.consistency import is_synchronous
 from plexus.ps.protocol import Op
 from plexus.ps.server import KEYS, LEDGER_BASE, ParameterServer
-from plexus.ps.replication import decode_state
+from plexus.ps.replication import decode_state, owner_of
 from plexus.ps.server_group import ServerGroup
 from plexus.ps.staleness import StalenessHistogram
 from plexus.strategies.base import Context, LossFn, RoleContext, StepStats, Strategy
@@ -322,6 +322,15 @@ class DownpourStrategy(Strategy):
     @classmethod
     def joined_workers(cls, store) -> int:
         return int(store.add(KEYS.joined, 0))
+
+    @classmethod
+    def late_records(cls, cfg: JobConfig, store) -> list[tuple[str, int]]:
+        """A shard drained into a spare (``plexus server --join``) is recorded by the spare,
+        after its last worker left, which may be after the launcher's processes ended."""
+        if cls.root_children(cfg) is not None or not int(store.add(KEYS.spares, 0)):
+            return []
+        servers = num_servers(cfg)
+        return [("server", s) for s in range(servers) if owner_of(store, s) >= servers]
 
     @classmethod
     def admit(cls, store, cfg: JobConfig) -> int:

@@ -12,6 +12,7 @@ once its role has returned (``process.report_cpu``); it joins that process's rec
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import Any
 
@@ -24,6 +25,8 @@ from plexus.strategies import strategy_class
 from plexus.train.health import CHANCE_MARGIN, hint, worst
 from plexus.train.metrics import FIGURES
 from plexus.train.plan import other_roles
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["collect_records", "assemble_summary", "write_summary", "cpu_key", "FIGURES"]
 
@@ -70,6 +73,14 @@ def collect_records(cfg: JobConfig, store, lost: dict[str, list[int]] | None = N
     counts = {"worker": cfg.cluster.workers + cls.joined_workers(store), **dict(other_roles(cfg))}
     if cfg.parallel.partitioned:
         counts["stage"] = cfg.parallel.per_replica * cfg.cluster.workers  # K stages x T shards per replica
+    late: dict[str, list[int]] = {}
+    for role, rank in cls.late_records(cfg, store):
+        late.setdefault(role, []).append(rank)
+    for role, ranks in late.items():  # written by processes the launcher did not start
+        try:
+            _await_records(store, role, ranks, wait if wait is not None else cfg.cluster.timeout)
+        except CommTimeout as exc:
+            logger.warning("plexus: %s", exc)
     records: dict[str, Any] = {}
     for role, count in counts.items():
         if wait is not None:
