@@ -522,3 +522,17 @@ def test_stage_time_line_of_several_runs(tmp_path: Path) -> None:
     plots = {p.path.name for p in write_plots([PlotRun(label=r.label, events=r.events) for r in runs],
                                               tmp_path / "bare")}
     assert "stage_time_line.png" not in plots and "loss_time.png" in plots
+
+
+def test_pipeline_line_and_shard_names():
+    from plexus.report.stages import pipeline_line, stage_name
+    summary = {"pipeline": {"schedule": "1f1b", "microbatches": 8, "bubble_measured": 0.356,
+                            "bubble_predicted": 0.2, "bubble_simulated": 0.226, "max_in_flight": 3,
+                            "peak_activation_bytes": 3 * 2**20, "recompute": False}}
+    assert pipeline_line(summary) == ("1f1b over 8 micro-batches: bubble 0.356 measured, 0.200 by the closed form, "
+                                      "0.226 simulated from the stages' measured op costs; at most 3 micro-batches "
+                                      "(3.00 MiB of activations) held by a stage")
+    assert pipeline_line({}) is None and pipeline_line({"pipeline": {"schedule": "gpipe"}}) is None
+    shard = {"stage": 1, "replica": 0, "shard": 1, "tensor_bytes_sent": 10}
+    assert stage_name(shard, False) == "stage 1 shard 1"
+    assert stage_name({"stage": 1, "replica": 1, "shard": 0}, True) == "replica 1 stage 1"

@@ -28,7 +28,7 @@ from plexus.errors import ConfigError
 from plexus.report.analysis import MIB, THRESHOLDS, config_diff, knob_labels, rank, seconds_text, time_to_accuracy
 from plexus.report.judging import TABLE_HEAD, Judged, judge, table_cells, target_heading
 from plexus.report.plots import Plot, PlotRun, write_plots
-from plexus.report.stages import STAGE_HEAD, TRAFFIC_HEAD, stage_cells, traffic_cells
+from plexus.report.stages import STAGE_HEAD, TRAFFIC_HEAD, pipeline_line, stage_cells, traffic_cells
 from plexus.train.metrics import FIGURES, read_events
 
 __all__ = ["RunDir", "load_run", "run_labels", "write_report"]
@@ -333,9 +333,12 @@ def _judging_section(judged: Sequence[Judged]) -> str:
 def _stages_section(runs: Sequence[RunDir], labels: Sequence[str], numbers: Sequence[int]) -> str:
     """The model-parallel runs' traffic across the cut, measured beside the plan, and their
     per-stage figures (``plexus.report.stages``); empty when no run has stages."""
-    traffic, per_stage = [], []
+    traffic, per_stage, pipelines = [], [], []
     for run, label, n in zip(runs, labels, numbers):
         who = [_td(str(n), n), _td(label, label, "label")]
+        line = pipeline_line(run.summary)
+        if line is not None:
+            pipelines.append(f"<li>{esc(n)}. {esc(label)}: {esc(line)}</li>")
         for cells, matches in traffic_cells(run.summary):
             tds = [_td(text, sort, title=hover) for text, sort, hover in cells[:-1]]
             text, sort, hover = cells[-1]
@@ -351,6 +354,8 @@ def _stages_section(runs: Sequence[RunDir], labels: Sequence[str], numbers: Sequ
         return (f'<div class="scroll"><table class="sortable stages"><thead><tr>{head}</tr></thead>\n'
                 f"<tbody>\n{chr(10).join(rows)}\n</tbody></table></div>")
     out = ["<h2>Model-parallel stages</h2>"]
+    if pipelines:
+        out += ["<h3>Pipeline</h3>", f"<ul>{''.join(pipelines)}</ul>"]
     if traffic:
         out += ["<h3>Traffic across the cut</h3>",
                 '<p class="note">Each direction of a cut edge, summed over the replicas: messages and bytes the '

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from plexus.report.analysis import mib
 
-__all__ = ["KINDS", "Lane", "stage_name", "timeline_lanes", "TRAFFIC_HEAD", "traffic_cells",
+__all__ = ["KINDS", "Lane", "pipeline_line", "stage_name", "timeline_lanes", "TRAFFIC_HEAD", "traffic_cells",
            "STAGE_HEAD", "stage_cells"]
 
 MISSING = "–"
@@ -56,13 +56,16 @@ def _stages(summary: Mapping[str, Any]) -> list[dict[str, Any]]:
     if not isinstance(stages, list):
         return []
     valid = [s for s in stages if isinstance(s, dict) and isinstance(s.get("stage"), int)]
-    return sorted(valid, key=lambda s: (s.get("replica", 0), s["stage"]))  # a pipeline's forward order
+    # A pipeline's forward order; a stage's tensor-parallel shards together.
+    return sorted(valid, key=lambda s: (s.get("replica", 0), s["stage"], s.get("shard", 0)))
 
 
 def stage_name(entry: Mapping[str, Any], replicated: bool) -> str:
-    """``stage k``, or ``replica r stage k`` when the run has several replicas."""
-    stage, replica = entry.get("stage"), entry.get("replica", 0)
-    return f"replica {replica} stage {stage}" if replicated else f"stage {stage}"
+    """``stage k``, or ``replica r stage k`` when the run has several replicas; ``shard t``
+    after it under --tensor-parallel."""
+    stage, replica, shard = entry.get("stage"), entry.get("replica", 0), entry.get("shard")
+    name = f"replica {replica} stage {stage}" if replicated else f"stage {stage}"
+    return f"{name} shard {shard}" if "tensor_bytes_sent" in entry and isinstance(shard, int) else name
 
 
 def _replicated(stages: list[dict[str, Any]]) -> bool:
@@ -171,3 +174,20 @@ def stage_cells(summary: Mapping[str, Any]) -> list[list[Cell]]:
             _mib(s.get("bytes_sent")), _mib(s.get("bytes_recv")), _mib(s.get("sync_bytes_sent")),
         ])
     return out
+
+
+def pipeline_line(summary: Mapping[str, Any]) -> str | None:
+    """A pipelined run's schedule and bubble in one sentence (None without a pipeline)."""
+    p = summary.get("pipeline")
+    if not isinstance(p, dict):
+        return None
+    figures = [_number(p.get(k)) for k in ("bubble_measured", "bubble_predicted", "bubble_simulated")]
+    if any(f is None for f in figures):
+        return None
+    measured, predicted, simulated = figures
+    held = mib(p.get("peak_activation_bytes"))
+    return (f"{p.get('schedule')} over {p.get('microbatches')} micro-batches"
+            f"{' with recomputation' if p.get('recompute') else ''}: bubble {measured:.3f} measured, "
+            f"{predicted:.3f} by the closed form, {simulated:.3f} simulated from the stages' measured op costs; "
+            f"at most {p.get('max_in_flight')} micro-batches"
+            f"{f' ({held:.2f} MiB of activations)' if held is not None else ''} held by a stage")
