@@ -237,6 +237,7 @@ def train_shards(group, name: str, out: str) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.parallel
 @pytest.mark.parametrize("name", ("mlp", "cnn", "fanout", "deep-mlp"))
 def test_two_processes_train_as_one(digits, name, tmp_path):
     results = spawn("test_tensor_parallel:train_shards", T, {"name": name, "out": str(tmp_path)}, timeout=60)
