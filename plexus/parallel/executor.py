@@ -99,8 +99,9 @@ def make_plan(cfg: JobConfig, model: torch.nn.Module, sample: torch.Tensor,
 
 
 # Steps price_plan times (after PRICE_WARMUP untimed ones): deep-mlp --hidden 1024 at
-# batch 64 takes about 30 ms a step on one thread, so pricing adds about 1.5 s to the
-# profile, and a median of 40 moved by under 2 % between runs on this machine.
+# batch 64 takes about 30 ms a step on one thread, so pricing adds about 1.4 s to the
+# profile (2.7 s in all). The slowest stage's price moved by under 1 % between two
+# back-to-back pricings, by up to 17 % between runs minutes apart (docs/results/partition.md).
 PRICE_STEPS = 40
 PRICE_WARMUP = 3
 
