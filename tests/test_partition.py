@@ -8,6 +8,7 @@ is one ConfigError line (status 2 through the CLI).
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -229,6 +230,93 @@ def test_profile_times_the_optimizer_step_of_each_nodes_parameters(digits):
         assert part.time_s >= part.compute_s > 0
     # Without an optimizer the step is not priced (and not profiled at all unprofiled).
     assert all(n.step_s == 0 for n in trace_model(model, _batch(digits)[0], profile=True, repeats=1).nodes)
+
+
+class _Clock:
+    """A clock that only the model moves, so every phase's seconds are known exactly."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def __deepcopy__(self, memo) -> "_Clock":  # the stage programs' copies of a module share it
+        return self
+
+
+class _Slow(nn.Module):
+    """Costs ``forward`` seconds of ``clock`` forward and ``backward`` back. Its branch
+    on a value makes fx fall back to the Sequential's children: it stays one node."""
+
+    def __init__(self, clock: _Clock, forward: float, backward: float) -> None:
+        super().__init__()
+        self.clock, self.costs = clock, (forward, backward)
+
+    def forward(self, x):
+        self.clock.now += self.costs[0]
+        y = x * 1.0
+        if y.requires_grad:
+            y.register_hook(self._back)
+        return y
+
+    def _back(self, grad):
+        self.clock.now += self.costs[1]
+
+
+class _SlowStep:
+    """An optimizer whose step costs ``seconds`` of ``clock``."""
+
+    def __init__(self, params, clock: _Clock, seconds: float) -> None:
+        self.clock, self.seconds = clock, seconds
+
+    def step(self) -> None:
+        self.clock.now += self.seconds
+
+
+def test_pricing_times_each_stage_program_and_keeps_the_cut():
+    """price_plan charges each stage the seconds its own program spends in a step (its
+    forward, its backward and its optimizer's step), keeps the cut, the transfers'
+    price, memory and traffic, and leaves the model and the generator as they were."""
+    from plexus.parallel.executor import price_plan
+
+    clock = _Clock()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), _Slow(clock, 2.0, 3.0), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+    x = torch.randn(5, 4)
+    graph = trace_model(model, x)
+    assert [n.target for n in graph.compute] == ["0", "1", "2", "3", "4"]
+    plan = plan_partitions(graph, 3, "manual", split_points=("1", "3"))
+    before, rng = copy.deepcopy(model.state_dict()), torch.get_rng_state()
+    priced = price_plan(graph, plan, x, lambda params: _SlowStep(params, clock, 0.5), steps=5, clock=clock)
+    assert priced.priced and not plan.priced
+    # Stage 1 holds the slow layer: 2 s forward, 3 s back, 0.5 s its step; the others
+    # only their steps.
+    assert [p.compute_s for p in priced.partitions] == [0.5, 5.5, 0.5]
+    for old, new in zip(plan.partitions, priced.partitions):
+        assert new.time_s - new.compute_s == pytest.approx(old.time_s - old.compute_s, abs=1e-15)
+        assert dataclasses.replace(new, compute_s=old.compute_s, time_s=old.time_s) == old
+    assert (priced.assignment, priced.transfers) == (plan.assignment, plan.transfers)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(rng, torch.get_rng_state())
+
+
+def test_a_time_plan_is_priced_on_its_own_cut(digits):
+    """--partition time: make_plan cuts by the node profile and prices that cut on its
+    stage programs; the cut is the one the profile chose, every stage costs time."""
+    from plexus.parallel.executor import make_plan
+
+    cfg = JobConfig.from_flat(dict(dataset="digits", model="deep-mlp", hidden=64, batch_size=BATCH, stages=3,
+                                   partition="time", optimizer="sgd", momentum=0.9))
+    x, _ = _batch(digits)
+    graph, plan = make_plan(cfg, _model("deep-mlp", digits, hidden=64), x,
+                            optimizer=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
+    assert plan.priced and graph.profiled
+    assert plan.assignment == plan_partitions(graph, 3, "time", optimizer_slots=1).assignment
+    assert all(p.time_s >= p.compute_s > 0 for p in plan.partitions)
+    # uniform and params are not profiled, so not priced.
+    assert not make_plan(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, partition="params")),
+                         _model("deep-mlp", digits, hidden=64), x)[1].priced
 
 
 def test_a_layer_larger_than_the_cap_has_no_legal_cut(digits):

@@ -19,6 +19,13 @@ replica's step, so any strategy trains a stage's parameters as it trains a whole
   default), K stages train exactly as one process with the same global batch (contract
   1), up to float rounding.
 
+Under --partition time stage 0 profiles the nodes, cuts by that profile and then prices
+the chosen cut by running its stage programs in one process as a step runs them
+(``price_plan``: each stage's zero_grad and forward in dataflow order, then from the
+output stage back each one's backward and optimizer step, medians of 40 steps), so each
+stage is timed with the whole model's memory touched between its steps, as in the run.
+Those seconds are the prediction the summary sets beside each stage's compute_seconds.
+
 One link per pair of stages joined by a cut edge, so each link's counters are one edge's
 traffic in each direction: the summary sets them beside ``PartitionPlan.traffic()`` for
 the run's steps (``traffic_matches_plan``). Snapshots of the model for evaluation travel
@@ -31,8 +38,10 @@ Not yet: checkpoints, torchrun, --kill and --slow of a stage, micro-batches (pip
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import resource
+import statistics
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -47,11 +56,11 @@ from plexus.config import JobConfig
 from plexus.errors import ConfigError
 from plexus.parallel.partition import ModelGraph, PartitionPlan, Transfer, plan_partitions, trace_model
 from plexus.parallel.schedules import make_schedule, simulate
-from plexus.parallel.stages import StageProgram, StageStep, merge_state_dicts
+from plexus.parallel.stages import StageProgram, StageStep, build_stages, merge_state_dicts
 from plexus.parallel.tensor import TensorPlan, merge_tensor_states, predict_traffic
 
-__all__ = ["StageExecutor", "gather_state", "stage_examples", "make_plan", "peak_bytes", "shared_plan", "stage_name",
-           "stage_summary"]
+__all__ = ["StageExecutor", "gather_state", "stage_examples", "make_plan", "peak_bytes", "price_plan", "shared_plan",
+           "stage_name", "stage_summary"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +76,11 @@ def make_plan(cfg: JobConfig, model: torch.nn.Module, sample: torch.Tensor,
     """The traced graph and the configured plan; with ``split_points``, the plan cut at
     those nodes instead (manual), which is how the stages share one profiled plan. A
     profile (--partition time) also times a step of ``optimizer`` when given, since each
-    stage's compute includes its optimizer's step. ``check_only`` (the launcher's check
-    of bad input) profiles nothing: time is planned as params, whose legal cuts under
-    the memory cap are the same (both search every cut under it)."""
+    stage's compute includes its optimizer's step, and the cut it chooses is then priced
+    by running its stage programs (``price_plan``): the plan's ``compute_s`` and
+    ``time_s`` are those measured figures. ``check_only`` (the launcher's check of bad
+    input) profiles nothing: time is planned as params, whose legal cuts under the
+    memory cap are the same (both search every cut under it)."""
     method = cfg.parallel.partition if split_points is None else "manual"
     if check_only and method == "time":
         method = "params"
@@ -84,7 +95,75 @@ def make_plan(cfg: JobConfig, model: torch.nn.Module, sample: torch.Tensor,
     plan = plan_partitions(graph, cfg.parallel.stages, method, split_points=points,
                            memory_cap=cfg.parallel.stage_memory_bytes, optimizer_slots=slots,
                            bandwidth=cfg.cluster.net.bandwidth, latency=cfg.cluster.net.latency)
+    if method == "time":
+        plan = price_plan(graph, plan, sample, optimizer)
     return graph, plan
+
+
+# Steps price_plan times (after PRICE_WARMUP untimed ones): deep-mlp --hidden 1024 at
+# batch 64 takes about 30 ms a step on one thread, so pricing adds about 1.4 s to the
+# profile (2.7 s in all). The slowest stage's price moved by under 1 % between two
+# back-to-back pricings, by up to 17 % between runs minutes apart (docs/results/partition.md).
+PRICE_STEPS = 40
+PRICE_WARMUP = 3
+
+
+def price_plan(graph: ModelGraph, plan: PartitionPlan, sample: torch.Tensor,
+               optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None, *,
+               steps: int = PRICE_STEPS, clock: Callable[[], float] = time.perf_counter) -> PartitionPlan:
+    """``plan`` with each stage's compute seconds measured on its own stage program.
+
+    The node profile that chose the cut times each node alone, back to back, with its
+    weights hot in cache; inside a training step a stage's weights, gradients and
+    optimizer state were last touched a whole step earlier, after the rest of the model,
+    and the memory-bound optimizer step suffers most (the stages measured 1.04 to 1.25
+    times the calibrated node profile, docs/results/partition.md). So this runs the
+    plan's stage programs (copies of ``graph``'s module) in this process as a step of K
+    stage processes runs them: each stage zeroes its gradients to None and runs its
+    forward, in dataflow order; then, from the output stage back, each runs its backward
+    (the output seeded as the gradient of its mean, the loss's cost left out) and at once
+    its optimizer's step, as each stage process steps as soon as its backward ends. A
+    stage's price is the median over ``steps`` steps of the seconds of those phases, read
+    on ``clock`` (the steps before them warm up and create the optimizer's state); its
+    transfers keep the plan's price. The cut, the memory and the traffic are ``plan``'s,
+    and ``graph``'s model and the random generator are left as they were.
+    """
+    programs = build_stages(graph, plan)  # stage k receives only from stages before it
+    runs = [StageStep(program) for program in programs]
+    optimizers = [optimizer(params) if optimizer is not None and (params := list(program.module.parameters()))
+                  else None for program in programs]
+    seconds: list[list[float]] = [[] for _ in programs]
+    with torch.random.fork_rng(devices=[]), torch.enable_grad():
+        for step in range(PRICE_WARMUP + steps):
+            spent = [0.0] * len(programs)
+            inbox: list[dict[str, torch.Tensor]] = [{} for _ in programs]
+            back: list[list[tuple[str, torch.Tensor]]] = [[] for _ in programs]
+            loss = None
+            for program, run in zip(programs, runs):
+                start = clock()
+                program.module.zero_grad(set_to_none=True)
+                values = run.forward(inbox[program.index], {name: sample for name in program.model_inputs})
+                if program.output is not None:
+                    loss = values[program.output].mean()
+                spent[program.index] += clock() - start
+                for t in program.sends:
+                    inbox[t.dst][t.producer] = values[t.producer].detach()
+            for program, run, opt in reversed(list(zip(programs, runs, optimizers))):
+                start = clock()
+                grads = run.backward(back[program.index], loss if program.output is not None else None)
+                if opt is not None:
+                    opt.step()
+                spent[program.index] += clock() - start
+                for t in program.receives:
+                    if t.grad:
+                        back[t.src].append((t.producer, grads[t.producer]))
+            if step >= PRICE_WARMUP:
+                for k, s in enumerate(spent):
+                    seconds[k].append(s)
+    priced = [statistics.median(s) for s in seconds]
+    partitions = tuple(dataclasses.replace(p, compute_s=c, time_s=c + (p.time_s - p.compute_s))
+                       for p, c in zip(plan.partitions, priced))
+    return dataclasses.replace(plan, partitions=partitions, priced=True)
 
 
 # Where stage 0 leaves the cut of a profiled plan (--partition time) for the others, and
@@ -99,9 +178,10 @@ def shared_plan(cfg: JobConfig, k: int, store, model: torch.nn.Module, sample: t
     """The plan every stage runs, and (time only) the profiled plan's predicted seconds
     per step of each stage, [compute, compute + transfers]. uniform, params and manual
     are deterministic, so each stage makes its own. time depends on seconds measured in
-    one process: stage 0 profiles and plans, and publishes the first node of each stage
-    after the first; every stage, stage 0 too, then cuts its unprofiled trace at those
-    nodes, so all hold one plan. Stage 0 profiles only once every stage has built its
+    one process: stage 0 profiles and plans, prices the chosen cut on its stage programs
+    (``price_plan``: those seconds are the prediction published), and publishes the
+    first node of each stage after the first; every stage, stage 0 too, then cuts its
+    unprofiled trace at those nodes, so all hold one plan. Stage 0 profiles only once every stage has built its
     model: on two cores, a profile taken while the others still import torch and load
     data would time the nodes under that contention, which the training steps do not
     have."""

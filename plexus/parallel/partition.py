@@ -18,6 +18,15 @@ points are cuts of the same order, so they share the limit. It keeps the exact s
 small: a min-max dynamic programme over the O(n^2) ranges, O(k n^2) steps after pricing
 each range in O(n), fine for graphs of hundreds of nodes.
 
+The time method chooses its cut from a node profile (``trace_model(profile=True)``: each
+node timed alone, calibrated to a whole step) but does not predict with it: nodes timed
+alone run with their weights hot in cache, and the stages of deep-mlp measured 1.04 to
+1.25 times that profile's sum. ``executor.make_plan`` prices the chosen cut by running
+its stage programs as a step runs them (``executor.price_plan``), and a plan so priced
+(``PartitionPlan.priced``) carries those seconds as each stage's ``compute_s``. Only the
+chosen cut is priced, not the best few: picking the lowest of several noisy prices would
+bias the prediction low again (docs/results/partition.md).
+
 Transfers are counted send-once: a value produced in stage p and read by several nodes
 of stage q is one transfer p -> q, carrying the value's bytes once per step (and its
 gradient once back, when it has one). The executor's link counters must equal these.
@@ -167,17 +176,19 @@ class Partition:
     params: tuple[str, ...]
     param_bytes: int
     param_count: int
-    # Predicted seconds per step: profiled forward + backward + optimizer step (0
-    # unprofiled) plus its transfers, forward and gradients back, at the plan's latency and
-    # bandwidth, with a value sent to several stages priced once (_Costs.measure).
+    # Predicted seconds per step: compute_s (0 unprofiled) plus its transfers, forward
+    # and gradients back, at the plan's latency and bandwidth, with a value sent to
+    # several stages priced once (_Costs.measure).
     time_s: float
     # Predicted bytes: params, grads, optimizer state, activations and received values.
     memory_bytes: int
     # Bytes per step received and sent forward (send-once; gradients go the other way).
     bytes_in: int
     bytes_out: int
-    # The compute part of time_s: profiled forward + backward + optimizer step of its
-    # nodes, what a stage's process counts as its compute_seconds per step.
+    # The compute part of time_s, what a stage's process counts as its compute_seconds
+    # per step: its nodes' profiled forward + backward + optimizer step, or, in a priced
+    # plan (PartitionPlan.priced), the median seconds of the stage's own program run as a
+    # training step runs it (executor.price_plan).
     compute_s: float = 0.0
 
 
@@ -191,6 +202,9 @@ class PartitionPlan:
     assignment: dict[str, int]
     # The stage that holds the model's output (where the loss is computed).
     output_stage: int
+    # Whether each partition's compute_s was measured on the stage programs of this very
+    # cut (executor.price_plan) rather than summed from the node profile that chose it.
+    priced: bool = False
 
     @property
     def stages(self) -> int:
