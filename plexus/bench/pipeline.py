@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import statistics
 import tempfile
@@ -138,6 +139,8 @@ def main(args: argparse.Namespace) -> int:
 def _row(args: argparse.Namespace, flat: dict[str, Any], root: Path, console) -> dict[str, Any]:
     """One (schedule, K, M) row: the median run of each side, or the line that says why
     a side has none."""
+    from rich.markup import escape
+
     ours: list[dict[str, Any]] = []
     theirs: list[dict[str, Any]] = []
     ours_error = torch_error = None
@@ -174,13 +177,14 @@ def _row(args: argparse.Namespace, flat: dict[str, Any], root: Path, console) ->
     both = row["plexus_samples_per_s"] and row["torch_samples_per_s"]
     row["ratio"] = row["plexus_samples_per_s"] / row["torch_samples_per_s"] if both else None
     if torch_error is not None and not theirs:
-        console.print(f"[yellow]bench pipeline: torch {name}: {torch_error}[/yellow]")
+        console.print(f"[yellow]bench pipeline: torch {name}: {escape(torch_error)}[/yellow]")
     return row
 
 
 def _one_line(text: str) -> str:
-    """The last line of a failure's output that names an error, else its last line."""
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    """The last line of a failure's output that names an error, else its last line, its
+    launcher prefix ``[worker 0] `` written ``worker 0: ``."""
+    lines = [re.sub(r"^\[([^\]]+)\]\s*", r"\1: ", line.strip()) for line in text.splitlines() if line.strip()]
     named = [line for line in lines if "Error" in line or "error" in line]
     line = (named or lines or ["no output"])[-1]
     return line if len(line) <= 160 else line[:157] + "..."
@@ -227,6 +231,7 @@ def _run_torch(flat: dict[str, Any], nodes: list[list[str]], root: Path, warmup:
 
 
 def _table(args: argparse.Namespace, rows: list[dict[str, Any]]):
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title=f"plexus pipelines vs torch.distributed.pipelining (gloo): {args.model} {args.hidden} wide on "
@@ -242,8 +247,8 @@ def _table(args: argparse.Namespace, rows: list[dict[str, Any]]):
         return "–" if v is None else " / ".join(f"{b:,.0f}" for b in v)
 
     for r in rows:
-        ours = rate(r["plexus_samples_per_s"]) if r["plexus_error"] is None else r["plexus_error"]
-        theirs = rate(r["torch_samples_per_s"]) if r["torch_error"] is None else r["torch_error"]
+        ours = rate(r["plexus_samples_per_s"]) if r["plexus_error"] is None else escape(r["plexus_error"])
+        theirs = rate(r["torch_samples_per_s"]) if r["torch_error"] is None else escape(r["torch_error"])
         bubble = "–" if r["plexus_bubble"] is None else \
             f"{r['plexus_bubble']:.3f} ({r['plexus_bubble_predicted']:.3f})"
         torch_bubble = "–" if r["torch_error"] else \
