@@ -18,7 +18,7 @@ def _positive(value) -> bool:
 def test_bench_pipeline_rows(capsys):
     status = main(["bench", "pipeline", "--hidden", "32", "--batch-size", "32", "--stages", "2",
                    "--microbatches", "4", "--schedules", "gpipe,1f1b", "--steps", "4", "--warmup", "2",
-                   "--timeout", "120", "--json"])
+                   "--repeats", "1", "--timeout", "120", "--json"])
     out = capsys.readouterr().out
     assert status == 0
     rows = json.loads(out.strip().splitlines()[-1])
@@ -28,6 +28,7 @@ def test_bench_pipeline_rows(capsys):
         assert _positive(row["plexus_samples_per_s"]) and 0 <= row["plexus_bubble"] < 1, row
         assert row["plexus_bubble_predicted"] == pytest.approx(1 / 5)  # (K-1)/(M+K-1)
         assert len(row["plexus_peak_mib"]) == 2 and all(_positive(b) for b in row["plexus_peak_mib"]), row
+        assert row["plexus_runs_samples_per_s"] == [pytest.approx(row["plexus_samples_per_s"])]  # one repeat
         if row["torch_error"] is None:  # torch ran: the same columns, and the ratio between them
             assert _positive(row["torch_samples_per_s"]), row
             assert row["torch_bubble"] is None or 0 <= row["torch_bubble"] < 1, row

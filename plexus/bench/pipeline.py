@@ -173,6 +173,7 @@ def _row(args: argparse.Namespace, flat: dict[str, Any], root: Path, console) ->
             row[f"{side}_peak_mib"] = [b / 2**20 for b in best["peak_bytes"]]
         else:
             row[f"{side}_samples_per_s"] = row[f"{side}_bubble"] = row[f"{side}_peak_mib"] = None
+        row[f"{side}_runs_samples_per_s"] = [samples / r["seconds"] for r in runs]  # the spread behind the median
     row["plexus_bubble_predicted"] = ours[0]["bubble_predicted"] if ours else None
     both = row["plexus_samples_per_s"] and row["torch_samples_per_s"]
     row["ratio"] = row["plexus_samples_per_s"] / row["torch_samples_per_s"] if both else None
