@@ -15,7 +15,8 @@ def _positive(value) -> bool:
 
 
 @pytest.mark.slow
-def test_bench_pipeline_rows(capsys):
+def test_bench_pipeline_rows(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "250")  # rich wraps the ten headers at 80 columns
     status = main(["bench", "pipeline", "--hidden", "32", "--batch-size", "32", "--stages", "2",
                    "--microbatches", "4", "--schedules", "gpipe,1f1b", "--steps", "4", "--warmup", "2",
                    "--repeats", "1", "--timeout", "120", "--json"])

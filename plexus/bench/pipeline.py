@@ -194,11 +194,13 @@ def _one_line(text: str) -> str:
 def _run_ours(flat: dict[str, Any], out: Path, warmup: int) -> dict[str, Any]:
     """Our pipeline through ``plexus.run``: timed seconds from the output stage's events."""
     import plexus
-    from plexus.errors import JobFailed
+    from plexus.errors import ConfigError, JobFailed
     from plexus.train.metrics import read_events
 
     try:
         summary = plexus.run({**flat, "out": str(out)})
+    except ConfigError as e:  # a combination plexus refuses is this row's result, not the benchmark's end
+        return {"error": f"refused: {_one_line(str(e))}"}
     except JobFailed as e:
         return {"error": f"failed: {_one_line(str(e))}"}
     if summary.get("status") not in (None, "ok", "completed") or "pipeline" not in summary:
