@@ -16,6 +16,7 @@ _ALL = {
     "defaults": ("accuracy of every strategy with its own defaults against allreduce", "plexus.bench.defaults"),
     "startup": ("time to the first training step at 1, 2 and 4 workers against import torch",
                 "plexus.bench.startup"),
+    "pipeline": ("step rate, bubble and memory of each schedule against torch pipelining", "plexus.bench.pipeline"),
     "simulate": ("real seconds of 1,000- and 10,000-worker simulations against the 60 s goal",
                  "plexus.bench.simulate"),
 }
