@@ -367,17 +367,11 @@ class StageExecutor:
         if self.shards == 1:
             return {key: v.detach().clone() for key, v in state.items()}
         if self.shard != 0:
-            for i, value in enumerate(state.values()):
-                self.shard_links[0].send_to_peer(value.detach().contiguous(), GATHER_TAG + i)
+            _send_state(self.shard_links[0], state)
             return None
         states = [{key: v.detach().clone() for key, v in state.items()}]
-        for u in range(1, self.shards):
-            theirs = {}
-            for i, (key, like) in enumerate(state.items()):  # the same shapes on every shard
-                buf = torch.empty_like(like)
-                self.shard_links[u].recv_from_peer(buf, GATHER_TAG + i)
-                theirs[key] = buf
-            states.append(theirs)
+        # (the same shapes on every shard)
+        states += [_recv_state(self.shard_links[u], state) for u in range(1, self.shards)]
         return merge_tensor_states(states, self.tensor_plan)
 
     def start_clock(self, t0: float) -> None:
@@ -426,17 +420,11 @@ class StageExecutor:
         self._marks["forward"] = time.time()
         if self.schedule is not None:
             return self._pipelined_loss(model, x, y)
-        received: dict[str, torch.Tensor] = {}
-        wanted = []
-        for t in p.receives:
-            buf = torch.empty(t.shape_for(self.batch), dtype=getattr(torch, t.dtype), device=self.device)
-            received[t.producer] = buf
-            wanted.append((t.src, 2 * self.index[t], buf))
-        self._recv_all(wanted)
+        received = self._receive_values(self.batch, 0)
         inputs = {name: x for name in p.model_inputs}
         values = self.step_runner.forward(received, inputs, module=model)
         for t in p.sends:
-            self._send(t.dst, 2 * self.index[t], values[t.producer])
+            self._send(t.dst, self._tag(t, 0, False), values[t.producer])
         self._sent = list(dict.fromkeys(t.producer for t in p.sends if t.grad))
         zero = _Exchange.apply(self, self._anchor, *(values[name] for name in self._sent))
         if p.output is None:
@@ -444,8 +432,38 @@ class StageExecutor:
         return self.criterion(values[p.output], y) + zero.to(values[p.output].dtype)
 
     def _tag(self, transfer: Transfer, microbatch: int, grad: bool) -> int:
-        """The tag of a transfer's value (or gradient) for one micro-batch of the step."""
+        """The tag of a transfer's value (or gradient) for one micro-batch of the step (0
+        without a pipeline)."""
         return 2 * (self.index[transfer] + len(self.index) * microbatch) + int(grad)
+
+    def _receive_values(self, batch: int, microbatch: int) -> dict[str, torch.Tensor]:
+        """Every value that crosses into this stage for one (micro-)batch of ``batch``
+        samples, by producer."""
+        received, wanted = {}, []
+        for t in self.program.receives:
+            buf = torch.empty(t.shape_for(batch), dtype=getattr(torch, t.dtype), device=self.device)
+            received[t.producer] = buf
+            wanted.append((t.src, self._tag(t, microbatch, False), buf))
+        self._recv_all(wanted)
+        return received
+
+    def _receive_value_gradients(self, values: dict[str, torch.Tensor], microbatch: int
+                                 ) -> list[tuple[Transfer, torch.Tensor]]:
+        """The gradient of each value this stage sent (``values``, by producer), one per
+        transfer that carries one back, received contiguous whatever the value's strides."""
+        wanted = [(t, torch.empty(values[t.producer].shape, dtype=values[t.producer].dtype,
+                                  device=values[t.producer].device)) for t in self.program.sends if t.grad]
+        self._recv_all([(t.dst, self._tag(t, microbatch, True), buf) for t, buf in wanted])
+        return wanted
+
+    def _finish_sends(self) -> None:
+        """Wait until every send of the step has left; the end of its backward part."""
+        start = time.time()
+        for work in self._sends:
+            work.wait()
+        self._sends = []
+        self._marks["backward"] = time.time()
+        self._waits.append((start, self._marks["backward"]))
 
     def _forward(self, model: torch.nn.Module, received: dict[str, torch.Tensor], x: torch.Tensor | None,
                  y: torch.Tensor | None, grad: bool) -> "_Microbatch":
@@ -489,12 +507,7 @@ class StageExecutor:
         for op in self.schedule.ops(self.k):
             m = op.microbatch
             if op.kind == "F":
-                received, wanted = {}, []
-                for t in p.receives:
-                    buf = torch.empty(t.shape_for(batch), dtype=getattr(torch, t.dtype), device=self.device)
-                    received[t.producer] = buf
-                    wanted.append((t.src, self._tag(t, m, False), buf))
-                self._recv_all(wanted)
+                received = self._receive_values(batch, m)
                 began = time.time()
                 mb = self._forward(model, received, xs[m], ys[m], grad=not self.recompute)
                 self._ops.append(("forward", began, time.time()))
@@ -507,12 +520,7 @@ class StageExecutor:
                 self.peak_activation_bytes = max(self.peak_activation_bytes, sum(b.held for b in live.values()))
                 continue
             mb = live.pop(m)
-            wanted = []
-            for t in p.sends:
-                if t.grad:
-                    value = mb.values[t.producer]
-                    wanted.append((t, torch.empty(value.shape, dtype=value.dtype, device=value.device)))
-            self._recv_all([(t.dst, self._tag(t, m, True), buf) for t, buf in wanted])
+            wanted = self._receive_value_gradients(mb.values, m)
             began = time.time()
             if self.recompute:  # the forward again, now keeping what backward needs
                 mb = self._forward(model, mb.received, mb.x, mb.y, grad=True)
@@ -530,12 +538,7 @@ class StageExecutor:
             self._ops.append(("backward", began, time.time()))
             for (t, leaf), g in zip(leaves, got[len(params):]):
                 self._send(t.src, self._tag(t, m, True), g if g is not None else torch.zeros_like(leaf))
-        begin = time.time()
-        for work in self._sends:
-            work.wait()
-        self._sends = []
-        self._marks["backward"] = time.time()
-        self._waits.append((begin, self._marks["backward"]))
+        self._finish_sends()
         self.pipeline_s += self._marks["backward"] - start
         for kind, a, b in self._ops:
             self.op_seconds[kind][0] += b - a
@@ -545,16 +548,8 @@ class StageExecutor:
 
     def _receive_gradients(self) -> list[torch.Tensor]:
         """The gradients of the values this stage sent, summed over the stages each went to."""
-        values = self.step_runner.outputs
         summed: dict[str, torch.Tensor] = {}
-        wanted = []
-        for t in self.program.sends:
-            if t.grad:
-                value = values[t.producer]
-                buf = torch.empty(value.shape, dtype=value.dtype, device=value.device)
-                wanted.append((t.dst, 2 * self.index[t] + 1, buf))
-        self._recv_all(wanted)
-        for (_, _, buf), t in zip(wanted, (t for t in self.program.sends if t.grad)):
+        for t, buf in self._receive_value_gradients(self.step_runner.outputs, 0):
             summed[t.producer] = summed[t.producer] + buf if t.producer in summed else buf
         return [summed[name] for name in self._sent]
 
@@ -563,13 +558,8 @@ class StageExecutor:
         received (zeros where it did not depend on a value, so every message the plan
         counts is sent), and wait until every send of the step has left."""
         for t, grad in self.step_runner.input_gradients():
-            self._send(t.src, 2 * self.index[t] + 1, grad)
-        start = time.time()
-        for work in self._sends:
-            work.wait()
-        self._sends = []
-        self._marks["backward"] = time.time()
-        self._waits.append((start, self._marks["backward"]))
+            self._send(t.src, self._tag(t, 0, True), grad)
+        self._finish_sends()
 
     def _recv_all(self, wanted: list[tuple[int, int, torch.Tensor]]) -> None:
         """Post every receive (peer, tag, buffer) at once, then wait for them all: the
@@ -658,22 +648,25 @@ def gather_state(own: "StageExecutor", programs: list[StageProgram], module: tor
         return None
     g = own.plan.output_stage
     if own.k != g:
-        link = own.gather_links[g]
-        for i, value in enumerate(state.values()):
-            link.send_to_peer(value.detach().contiguous(), GATHER_TAG + i)
+        _send_state(own.gather_links[g], state)
         return None
-    states = []
-    for j, program in enumerate(programs):
-        if j == g:
-            states.append(state)
-            continue
-        link, theirs = own.gather_links[j], {}
-        for i, (key, like) in enumerate(program.module.state_dict().items()):
-            buf = torch.empty_like(like)
-            link.recv_from_peer(buf, GATHER_TAG + i)
-            theirs[key] = buf
-        states.append(theirs)
-    return merge_state_dicts(states)
+    return merge_state_dicts([state if j == g else _recv_state(own.gather_links[j], program.module.state_dict())
+                              for j, program in enumerate(programs)])
+
+
+def _send_state(link: Link, state: dict[str, torch.Tensor]) -> None:
+    """A state_dict's tensors over a snapshot link, in its order, never pickle."""
+    for i, value in enumerate(state.values()):
+        link.send_to_peer(value.detach().contiguous(), GATHER_TAG + i)
+
+
+def _recv_state(link: Link, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state_dict ``_send_state`` sent, into buffers shaped as ``like``'s."""
+    state = {}
+    for i, (key, value) in enumerate(like.items()):
+        state[key] = torch.empty_like(value)
+        link.recv_from_peer(state[key], GATHER_TAG + i)
+    return state
 
 
 def _replica_edges(records: dict[int, dict[str, Any]]) -> dict[tuple[int, int], dict[str, list[int]]]:
