@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from importlib.util import find_spec
 
-__all__ = ["BENCHMARKS"]
+__all__ = ["BENCHMARKS", "csv_list"]
 
 _ALL = {
     "ddp": ("samples/s of the allreduce strategy against DistributedDataParallel", "plexus.bench.ddp"),
@@ -20,6 +20,11 @@ _ALL = {
     "simulate": ("real seconds of 1,000- and 10,000-worker simulations against the 60 s goal",
                  "plexus.bench.simulate"),
 }
+
+def csv_list(text: str) -> list[str]:
+    """A comma-separated flag's values (``--algorithms native,ring``), blanks dropped."""
+    return [part.strip() for part in text.split(",") if part.strip()]
+
 
 # name -> (one-line summary, module)
 BENCHMARKS = {name: entry for name, entry in _ALL.items() if find_spec(entry[1]) is not None}

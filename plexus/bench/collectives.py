@@ -30,16 +30,14 @@ import statistics
 import time
 from typing import Any
 
+from plexus.bench import csv_list
+
 __all__ = ["add_arguments", "main", "measure", "parse_size", "DEFAULT_SIZES"]
 
 DEFAULT_SIZES = "4KB,16KB,64KB,256KB,1MB,4MB,16MB,64MB"
 BACKEND = "backend"  # gloo's all-reduce without plexus's lane and check
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
           "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
-
-
-def _csv(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
 
 
 def parse_size(text: str) -> int:
@@ -71,7 +69,7 @@ def _check(args: argparse.Namespace) -> tuple[list[str], list[int], list[int]]:
     from plexus.collectives import ALGORITHMS
     from plexus.errors import ConfigError
 
-    names = list(ALGORITHMS) if args.algorithms.strip() == "all" else _csv(args.algorithms)
+    names = list(ALGORITHMS) if args.algorithms.strip() == "all" else csv_list(args.algorithms)
     for name in names:
         if name not in ALGORITHMS and name != BACKEND:
             raise ConfigError(f"--algorithms: unknown algorithm {name!r}: choose from {', '.join(ALGORITHMS)}, "
@@ -81,10 +79,10 @@ def _check(args: argparse.Namespace) -> tuple[list[str], list[int], list[int]]:
     if args.algorithms.strip() == "all":
         names.append(BACKEND)
     try:
-        procs = [int(p) for p in _csv(args.procs)]
+        procs = [int(p) for p in csv_list(args.procs)]
     except ValueError:
         raise ConfigError(f"--procs must be comma-separated integers, got {args.procs!r}: pass --procs 2,4") from None
-    sizes = [parse_size(s) // 4 * 4 for s in _csv(args.sizes)]
+    sizes = [parse_size(s) // 4 * 4 for s in csv_list(args.sizes)]
     for flag, values in (("--procs", procs), ("--sizes", sizes), ("--algorithms", names)):
         if not values:
             raise ConfigError(f"{flag} must name at least one value, got nothing: see --help")

@@ -26,14 +26,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from plexus.bench import csv_list
+
 __all__ = ["add_arguments", "main", "measure"]
 
 # The reference's name among the contenders (ours are named by their algorithm).
 DDP = "ddp"
-
-
-def _csv(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,9 +59,9 @@ def _check(args: argparse.Namespace) -> tuple[list[str], list[int], list[str]]:
     from plexus.errors import ConfigError
     from plexus.train.models import KNOWN_MODELS
 
-    models, algorithms = _csv(args.models), _csv(args.algorithms)
+    models, algorithms = csv_list(args.models), csv_list(args.algorithms)
     try:
-        workers = [int(w) for w in _csv(args.workers)]
+        workers = [int(w) for w in csv_list(args.workers)]
     except ValueError:
         raise ConfigError(f"--workers must be comma-separated integers, got {args.workers!r}: "
                           f"pass --workers 2,4") from None

@@ -38,16 +38,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from plexus.bench import csv_list
+
 __all__ = ["add_arguments", "main", "measure_torch"]
 
 SCHEDULES = ("gpipe", "1f1b")
 # Models whose layers sit in one top-level nn.Sequential (``net``), which the reference
 # slices into stages; the others are not cut by this benchmark.
 SEQUENTIAL_MODELS = ("deep-mlp", "mlp")
-
-
-def _csv(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _ints(name: str, text: str, least: int) -> list[int]:
     from plexus.errors import ConfigError
     try:
-        values = [int(v) for v in _csv(text)]
+        values = [int(v) for v in csv_list(text)]
     except ValueError:
         raise ConfigError(f"--{name} must be comma-separated integers, got {text!r}: pass --{name} 2,4") from None
     if not values or min(values) < least:
@@ -87,7 +85,7 @@ def _check(args: argparse.Namespace) -> tuple[list[int], list[int], list[str]]:
     from plexus.errors import ConfigError
 
     stages, microbatches = _ints("stages", args.stages, 2), _ints("microbatches", args.microbatches, 1)
-    schedules = _csv(args.schedules)
+    schedules = csv_list(args.schedules)
     if not schedules or any(s not in SCHEDULES for s in schedules):
         raise ConfigError(f"--schedules must name schedules among {', '.join(SCHEDULES)} (those both plexus and "
                           f"torch.distributed.pipelining run), got {args.schedules!r}")
