@@ -160,14 +160,15 @@ def group_records(cfg: JobConfig, records: dict[str, Any]) -> dict[int, dict[str
     groups: dict[int, dict[str, Any]] = {g: {"worker": {}} for g in range(cfg.parallel.per_replica)}
     for rec in records.get("stage", {}).values():
         groups[rec["group"]]["worker"][rec.get("replica", 0)] = rec.get("sync", {})
-    for slot in group_slots(cfg):
+    slots = group_slots(cfg)
+    for slot in slots:
         rec = records.get(slot.role, {}).get(slot.rank)
         if rec is not None:
             groups[slot.group].setdefault(slot.role, {})[slot.local] = rec
     lost = records.get("lost", {})
     for g in groups:
-        groups[g]["lost"] = {role: [s.local for s in group_slots(cfg) if s.group == g and s.role == role
-                                    and s.rank in ranks] for role, ranks in lost.items() if role != "stage"}
+        groups[g]["lost"] = {role: [s.local for s in slots if s.group == g and s.role == role and s.rank in ranks]
+                             for role, ranks in lost.items() if role != "stage"}
     return groups
 
 

@@ -149,45 +149,46 @@ def assemble_summary(cfg: JobConfig, records: dict[str, Any], lost: dict[str, li
         "emulated_sleep_seconds": [workers[r]["slept"] if r in workers else None
                                    for r in range(cfg.cluster.workers)],
     }
+    staged: dict[str, Any] = {}
     if not cfg.parallel.partitioned:
         summary.update(cls.summary_fields(cfg, records))
-    elif records.get("stage"):
-        # The job's own strategy figures (steps, updates applied, staleness) are stage group
-        # 0's: every group trains on the same batches, one update per step of its replicas.
-        from plexus.train.stage_groups import group_config, group_records
-        summary.update(cls.summary_fields(group_config(cfg, 0), group_records(cfg, records)[0]))
+    else:
+        staged, job = _stages(cfg, records)
+        summary.update(job)
     summary.update(_figures(cfg, records, summary, sent))
     summary.update(_health(cfg, workers, ev, summary))
-    if cfg.parallel.partitioned:
-        summary.update(_stages(cfg, records))
+    summary.update(staged)
     summary["settings"] = cfg.settings()
     return summary
 
 
-def _stages(cfg: JobConfig, records: dict[str, Any]) -> dict[str, Any]:
-    """A job of replicas cut into stages: the stages' figures (``stage_summary``), each
+def _stages(cfg: JobConfig, records: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A job of replicas cut into stages: (the stages' figures (``stage_summary``), each
     stage group's strategy figures (its ``summary_fields`` over the group's records, as
-    for a job of its own), and the bytes each stage sent to each server."""
+    for a job of its own) and the bytes each stage sent to each server; the job's own
+    strategy figures (steps, updates applied, staleness), which are stage group 0's:
+    every group trains on the same batches, one update per step of its replicas)."""
     from plexus.parallel.executor import stage_summary
     from plexus.train.stage_groups import group_config, group_records, server_traffic
-    stages = records.get("stage", {})
-    out = stage_summary(stages)
+    out = stage_summary(records.get("stage", {}))
     cls = strategy_class(cfg.strategy.strategy)
     groups = group_records(cfg, records)
+    fields = {row["group"]: cls.summary_fields(group_config(cfg, row["group"]), groups[row["group"]])
+              for row in out.get("stage_groups", [])}
     for row in out.get("stage_groups", []):
-        row.update(cls.summary_fields(group_config(cfg, row["group"]), groups[row["group"]]))
-    if any(role == "server" for role, _ in other_roles(cfg)):
+        row.update(fields[row["group"]])
+    roles = other_roles(cfg)
+    if any(role == "server" for role, _ in roles):
         out["stage_server_traffic"] = server_traffic(cfg, records)
-    out["processes"] = cfg.parallel.per_replica * cfg.cluster.workers + sum(n for _, n in other_roles(cfg))
+    out["processes"] = cfg.parallel.per_replica * cfg.cluster.workers + sum(n for _, n in roles)
     if cfg.cluster.workers == 1:
         out["algorithm"] = None  # one replica: nothing is all-reduced
-    cpu = {role: sum(rec["cpu_seconds"] for rec in records.get(role, {}).values() if "cpu_seconds" in rec)
-           for role in ("stage", *(role for role, _ in other_roles(cfg)))}
-    cpu = {role: seconds for role, seconds in cpu.items()
-           if any("cpu_seconds" in rec for rec in records.get(role, {}).values())}
+    cpu = {role: [rec["cpu_seconds"] for rec in records.get(role, {}).values() if "cpu_seconds" in rec]
+           for role in ("stage", *(role for role, _ in roles))}
+    cpu = {role: sum(seconds) for role, seconds in cpu.items() if seconds}
     out["cpu_seconds"] = sum(cpu.values()) if cpu else None
     out["cpu_seconds_by_role"] = cpu
-    return out
+    return out, fields.get(0, {})
 
 
 def _figures(cfg: JobConfig, records: dict[str, Any], summary: dict[str, Any], sent: list[int | None]
