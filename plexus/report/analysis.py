@@ -14,8 +14,6 @@ from typing import Any
 
 from plexus.config.applies import APPLIES, strategy_keys
 
-from plexus.config.applies import strategy_keys
-
 __all__ = ["THRESHOLDS", "STRATEGY_KEYS", "MIB", "applies", "flat_config", "knob_labels", "time_to_accuracy",
            "time_to_best", "eval_models", "Ranked", "rank", "config_diff", "mib", "seconds_text"]
 

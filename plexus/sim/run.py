@@ -27,7 +27,7 @@ from plexus.train.data import load_dataset
 from plexus.train.evaluation import loss_fn
 from plexus.train.metrics import MetricsLog
 from plexus.train.models import build_model
-from plexus.train.runner import total_steps
+from plexus.train.feed import total_steps
 
 __all__ = ["simulate", "check", "SIMULATED"]
 

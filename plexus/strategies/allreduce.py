@@ -41,8 +41,9 @@ from plexus.collectives.base import Handle
 from plexus.config import JobConfig
 from plexus.collectives.bucketing import GradientBuckets
 from plexus.errors import CommError, ConfigError
-from plexus.strategies.base import Context, LossFn, Strategy, StepStats, make_optimizer
-from plexus.strategies.elastic import ELASTIC_ALGORITHMS, JOB_KEY, RANKS_KEY, Membership, Regrouped, discard
+from plexus.strategies.base import Context, LossFn, Regrouped, Strategy, StepStats, make_optimizer
+from plexus.strategies.elastic import ELASTIC_ALGORITHMS, JOB_KEY, RANKS_KEY, Membership, discard
+from plexus.train.feed import Feed, GlobalFeed
 
 __all__ = ["AllReduceStrategy"]
 
@@ -176,10 +177,17 @@ class AllReduceStrategy(Strategy):
 
     # --- elastic ------------------------------------------------------------------------
 
-    def first_step(self) -> int:
-        return self.steps
+    def feed(self, ctx: Context, samples: int, shared_budget: bool = True) -> Feed:
+        """Slices of global batches, as every synchronous strategy's; an elastic group
+        names the slice at each step (``share``), and a worker that joined it starts at
+        the job's step (known once ``setup`` returns)."""
+        return GlobalFeed(ctx.cfg, ctx.store, ctx.info.rank, ctx.info.world_size, samples, share=self.share,
+                          first=self.steps)
 
     def share(self, step: int, rank: int, workers: int) -> tuple[int, int]:
+        """(index, count): this worker trains on slice ``index`` of ``count`` of global
+        batch ``step``. Called at each step boundary; the elastic group may re-form here,
+        before the step, when workers join."""
         if self.membership is None:
             return rank, workers
         self.membership.plan_growth(step)

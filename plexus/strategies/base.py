@@ -1,7 +1,26 @@
 """The interface every strategy implements, and the context the runner hands it.
 
-The runner drives a strategy with ``setup`` once, ``step`` per batch and ``close`` at the
-end; a strategy never reads data or writes metrics itself.
+A strategy is the *synchroniser* of ARCHITECTURE.md section 9: how replicas agree. The
+runners (``train/runner.py`` for a whole model in each worker, ``train/stage_runner.py``
+for a replica cut into stages, the executors) drive every strategy with the same verbs
+and never ask which one they drive:
+
+- ``setup(model, loss_fn, ctx)``: take the model; ``loss_fn`` is the executor's;
+- ``feed(ctx, samples)``: where each step's data comes from and when the worker stops
+  (``train/feed.py``);
+- ``step(x, y)``: train on this worker's share of one batch;
+- ``snapshot(rank, final)``: make the global model current (it may be a collective) and
+  hand it over on the worker that evaluates it;
+- ``agree(flag)``: any worker's flag, known to all (stop together);
+- ``finish(cfg, rank)``: the strategy's part of the final record, and whether the worker
+  must wait for the others before it leaves;
+- ``close()``: release links and threads.
+
+The finer methods below them (``global_model``, ``evaluates``, ``final_model``,
+``prepare_snapshot``, ``replica``, ``final_record``, ``tolerates_loss``) are what a
+strategy overrides to change a verb's default. Roles other than workers, the summary and
+checkpoints are class-level and optional. A strategy never reads data or writes metrics
+itself.
 """
 from __future__ import annotations
 
@@ -18,9 +37,11 @@ from plexus.cluster.group import Group
 from plexus.cluster.rendezvous import ProcessInfo
 from plexus.cluster.traffic import Traffic
 from plexus.config import JobConfig, OptimConfig
-from plexus.errors import ConfigError
+from plexus.errors import ConfigError, PlexusError
+from plexus.train.feed import Feed, GlobalFeed, PartitionFeed
 
-__all__ = ["Strategy", "StepStats", "ProcessContext", "Context", "RoleContext", "LossFn", "make_optimizer"]
+__all__ = ["Strategy", "StepStats", "Snapshot", "Finish", "Regrouped", "ProcessContext", "Context", "RoleContext",
+           "LossFn", "make_optimizer"]
 
 # loss_fn(model, x, y) -> scalar loss (mean over the batch)
 LossFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -32,6 +53,42 @@ class StepStats:
     loss: float
     # Staleness of the update this step produced, where the strategy has one.
     staleness: float | None = None
+
+
+@dataclass
+class Snapshot:
+    """What ``Strategy.snapshot`` hands the runner."""
+
+    # The global model, on the worker that evaluates it now (None on the others).
+    model: torch.nn.Module | None = None
+    # That worker's own replica, where it differs from the global model (decentralized
+    # strategies keep one per worker); evaluated too, labelled ``worker{rank}``.
+    replica: torch.nn.Module | None = None
+    # Values to log with the snapshot (a ``strategy`` event), e.g. the consensus distance.
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Finish:
+    """What ``Strategy.finish`` hands the runner at the end of training."""
+
+    # Extra JSON data for this worker's final record (read by ``summary_fields``).
+    record: dict[str, Any]
+    # The worker waits, once its record is written, until every worker is done: nobody may
+    # tear down a group others still use. A strategy that outlives lost workers has no
+    # such group, and its survivors cannot wait for all.
+    wait: bool
+
+
+class Regrouped(PlexusError):
+    """Raised by ``step`` when the worker group re-formed during the step (an elastic
+    group lost a worker). ``completed``: the step counts as done with ``loss``; otherwise the
+    runner redoes it on the samples its feed gives again (``Feed.retry``)."""
+
+    def __init__(self, completed: bool, loss: float) -> None:
+        super().__init__("the worker group re-formed")
+        self.completed = completed
+        self.loss = loss
 
 
 @dataclass
@@ -94,17 +151,97 @@ class Strategy(ABC):
     # asynchronous ones give each worker its own partition of the training set.
     synchronous: ClassVar[bool] = True
 
+    # --- the runner's verbs --------------------------------------------------------------
+
     @abstractmethod
     def setup(self, model: torch.nn.Module, loss_fn: LossFn, ctx: Context) -> None:
-        """Take ownership of ``model`` (already initialised identically on every worker)."""
+        """Take ownership of ``model`` (already initialised identically on every worker).
+        ``loss_fn(model, x, y)`` is the executor's: the whole model's loss, or one stage's
+        part of a replica's (whose ``backward()`` exchanges gradients with the other stages)."""
+
+    def feed(self, ctx: Context, samples: int, shared_budget: bool = True) -> Feed:
+        """Where this worker's data comes from, out of the ``samples`` training samples, and
+        when it stops (``train/feed.py``). The default: a synchronous strategy splits each
+        global batch over the workers (contract 1); an asynchronous one gives each worker its
+        own partition, and, where ``shares_budget``, one budget of updates for the job.
+        ``shared_budget=False`` where a worker's steps must not depend on the other
+        workers' (the stages of one replica must all make the same steps)."""
+        cfg, rank, workers = ctx.cfg, ctx.info.rank, ctx.info.world_size
+        if self.synchronous:
+            return GlobalFeed(cfg, ctx.store, rank, workers, samples)
+        return PartitionFeed(cfg, ctx.store, rank, workers, samples,
+                             shares_budget=shared_budget and self.shares_budget(cfg))
 
     @abstractmethod
     def step(self, x: torch.Tensor, y: torch.Tensor) -> StepStats:
-        """Train on this worker's share of one batch: forward, backward, communicate, update."""
+        """Train on this worker's share of one batch: forward, backward, communicate, update.
+        May raise ``Regrouped``."""
+
+    def snapshot(self, rank: int, final: bool = False) -> Snapshot:
+        """Called on every worker at each snapshot step (``--eval-every``) and once after
+        the last step with ``final=True``: make the global model current
+        (``prepare_snapshot``, which may be a collective) and hand it over where this worker
+        evaluates it now (``evaluates``; at the end ``final_model``, which may wait for the
+        other workers)."""
+        fields = self.prepare_snapshot(final=final)
+        if final:
+            model = self.final_model(rank)
+        else:
+            model = self.global_model() if self.evaluates(rank) else None
+        return Snapshot(model=model, replica=self.replica() if model is not None else None, fields=fields)
+
+    def agree(self, flag: bool) -> bool:
+        """True when any worker's ``flag`` is true, known to all of them (used to stop
+        together on a time limit or target accuracy)."""
+        return flag
+
+    def finish(self, cfg: JobConfig, rank: int) -> Finish:
+        """The end of training on this worker: its part of the final record, and whether it
+        waits for the others (synchronous strategies that do not outlive lost workers)."""
+        wait = self.synchronous and not self.tolerates_loss(cfg, "worker", rank)
+        return Finish(record=self.final_record(), wait=wait)
+
+    def close(self) -> None:
+        """Release links and threads (also after a failure)."""
+
+    # --- what the verbs' defaults are made of ----------------------------------------------
 
     @abstractmethod
     def global_model(self) -> torch.nn.Module | None:
         """The model to evaluate, on the process that holds it (None elsewhere)."""
+
+    def replica(self) -> torch.nn.Module | None:
+        """This worker's own model where it differs from ``global_model()`` (decentralized
+        strategies keep one replica per worker). Worker 0's is evaluated as well, and its
+        eval events are labelled ``model: "worker0"``."""
+        return None
+
+    def prepare_snapshot(self, final: bool = False) -> dict[str, Any]:
+        """Make ``global_model()`` current before it is read. Called on every worker at
+        each snapshot step (``--eval-every``) and once more after the last step with
+        ``final=True``, so strategies whose global model is an average of replicas may
+        compute it here with a collective. Returns values to log with the snapshot (a
+        ``strategy`` event), e.g. the consensus distance; {} logs nothing."""
+        return {}
+
+    def evaluates(self, rank: int) -> bool:
+        """Whether this worker evaluates snapshots of ``global_model()`` now (asked at each
+        snapshot step). Worker 0 does; strategies that outlive it hand
+        the job to the lowest-ranked worker still training."""
+        return rank == 0
+
+    def final_model(self, rank: int) -> torch.nn.Module | None:
+        """The finished global model on the one worker that evaluates it for the summary,
+        None on the others; called once after the training loop. The default is worker 0's
+        ``global_model()``. Strategies that outlive worker 0 pick a survivor instead (and may
+        wait here for the other workers to finish)."""
+        return self.global_model() if rank == 0 else None
+
+    def final_record(self) -> dict[str, Any]:
+        """Extra JSON data this worker adds to its final record (for ``summary_fields``)."""
+        return {}
+
+    # --- the job: checks, roles, summary ------------------------------------------------
 
     @classmethod
     def check_config(cls, cfg: JobConfig) -> None:
@@ -156,15 +293,6 @@ class Strategy(ABC):
         staleness_mean, staleness_max. The default suits synchronous strategies."""
         return {}
 
-    def units(self, samples: int) -> Any:
-        """Where this worker's data comes from when the strategy hands it out itself
-        (Sandblaster's scheduler, ``sandblaster/scheduler.py``): an object whose ``next()``
-        gives the indices (into the ``samples`` training samples) of the next unit to train
-        on, or None once the job has no more work for this worker; the run then lasts as
-        long as the strategy says, whatever ``--steps``. None, the default, lets the runner
-        pick the batches (contracts 1 and 2)."""
-        return None
-
     # --- checkpoints (train/checkpoint.py) ---------------------------------------------
 
     @classmethod
@@ -180,53 +308,3 @@ class Strategy(ABC):
     def restore_checkpoint(self, mine: dict[str, Any], read: Callable[[str], dict[str, Any]]) -> None:
         """Continue from ``mine``, this worker's part of a checkpoint (``read(name)``
         loads another part, e.g. ``worker-0``), before training starts."""
-
-    def first_step(self) -> int:
-        """The step this worker starts at: 0, or the job's current step for a worker that
-        joined a synchronous group (elastic all-reduce), known once ``setup`` returns."""
-        return 0
-
-    def share(self, step: int, rank: int, workers: int) -> tuple[int, int]:
-        """(index, count): this worker trains on slice ``index`` of ``count`` of global
-        batch ``step`` (synchronous strategies). Called at each step boundary; an elastic
-        group may re-form here, before the step, when workers join."""
-        return rank, workers
-
-    def agree(self, flag: bool) -> bool:
-        """True when any worker's ``flag`` is true, known to all of them (used to stop
-        together on a time limit or target accuracy)."""
-        return flag
-
-    def replica(self) -> torch.nn.Module | None:
-        """This worker's own model where it differs from ``global_model()`` (decentralized
-        strategies keep one replica per worker). Worker 0's is evaluated as well, and its
-        eval events are labelled ``model: "worker0"``."""
-        return None
-
-    def prepare_snapshot(self, final: bool = False) -> dict[str, Any]:
-        """Make ``global_model()`` current before it is read. Called on every worker at
-        each snapshot step (``--eval-every``) and once more after the last step with
-        ``final=True``, so strategies whose global model is an average of replicas may
-        compute it here with a collective. Returns values to log with the snapshot (a
-        ``strategy`` event), e.g. the consensus distance; {} logs nothing."""
-        return {}
-
-    def evaluates(self, rank: int) -> bool:
-        """Whether this worker evaluates snapshots of ``global_model()`` now (asked at each
-        snapshot step while it does not). Worker 0 does; strategies that outlive it hand
-        the job to the lowest-ranked worker still training."""
-        return rank == 0
-
-    def final_model(self, rank: int) -> torch.nn.Module | None:
-        """The finished global model on the one worker that evaluates it for the summary,
-        None on the others; called once after the training loop. The default is worker 0's
-        ``global_model()``. Strategies that outlive worker 0 pick a survivor instead (and may
-        wait here for the other workers to finish)."""
-        return self.global_model() if rank == 0 else None
-
-    def final_record(self) -> dict[str, Any]:
-        """Extra JSON data this worker adds to its final record (for ``summary_fields``)."""
-        return {}
-
-    def close(self) -> None:
-        """Release links and threads."""

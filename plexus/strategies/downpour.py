@@ -74,6 +74,7 @@ from plexus.ps.replication import decode_state, owner_of
 from plexus.ps.server_group import ServerGroup
 from plexus.ps.staleness import StalenessHistogram
 from plexus.strategies.base import Context, LossFn, RoleContext, StepStats, Strategy
+from plexus.train.feed import CatchUpFeed, Feed, UnitFeed
 
 __all__ = ["DownpourStrategy", "num_servers"]
 
@@ -585,6 +586,19 @@ class DownpourStrategy(Strategy):
 
     def global_model(self) -> nn.Module:
         return self.model
+
+    def feed(self, ctx: Context, samples: int, shared_budget: bool = True) -> Feed:
+        """``--assignment dynamic``: each step trains on the job's next unit, numbered by
+        the shared budget's tickets. ``--backup-workers``: a worker that fell behind skips
+        to the job's current step (``job_step``), and the job ends when it has made its
+        steps. Otherwise the default: slices of global batches under a synchronous
+        consistency, the worker's own partition under an asynchronous one."""
+        cfg, rank, workers = ctx.cfg, ctx.info.rank, ctx.info.world_size
+        if cfg.strategy.assignment == "dynamic" and shared_budget:
+            return UnitFeed(cfg, ctx.store, rank, workers, samples)
+        if cfg.strategy.backup_workers > 0 and self.synchronous:
+            return CatchUpFeed(cfg, ctx.store, rank, workers, samples, self.job_step)
+        return super().feed(ctx, samples, shared_budget)
 
     def job_step(self) -> int:
         """With backup workers: the job's steps made in the weights this worker holds, i.e.

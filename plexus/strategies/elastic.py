@@ -53,7 +53,7 @@ from plexus.cluster.liveness import exited_key, silent
 from plexus.cluster.rendezvous import store_get_json, store_set_json, wait_keys
 from plexus.errors import CommTimeout, PlexusError
 
-__all__ = ["ELASTIC_ALGORITHMS", "Generation", "Membership", "Regrouped", "JOB_KEY", "JOINS_KEY", "RANKS_KEY", "discard",
+__all__ = ["ELASTIC_ALGORITHMS", "Generation", "Membership", "JOB_KEY", "JOINS_KEY", "RANKS_KEY", "discard",
            "pack_state", "unpack_state"]
 
 logger = logging.getLogger(__name__)
@@ -72,17 +72,6 @@ _PULSE_AFTER = 2.0
 
 def _key(number: int, what: str) -> str:
     return f"elastic/g/{number}/{what}"
-
-
-class Regrouped(PlexusError):
-    """The step's all-reduce failed and the group re-formed. ``completed``: the reference
-    had finished the step and its result was adopted (the step counts as done); otherwise
-    the step must be redone on the new generation's share of the batch."""
-
-    def __init__(self, completed: bool, loss: float) -> None:
-        super().__init__("the worker group re-formed")
-        self.completed = completed
-        self.loss = loss
 
 
 @dataclass

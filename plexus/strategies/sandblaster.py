@@ -48,6 +48,7 @@ from plexus.sandblaster.shard import Shard, shard_range
 from plexus.sandblaster.wire import Accepted, Kind
 from plexus.strategies.base import Context, LossFn, RoleContext, StepStats, Strategy
 from plexus.train.batches import GlobalBatches
+from plexus.train.feed import ClaimFeed, Feed, total_steps
 
 __all__ = ["SandblasterStrategy", "unit_size"]
 
@@ -143,7 +144,6 @@ class SandblasterStrategy(Strategy):
                                   weight_decay=cfg.optim.weight_decay, log=ctx.log.log, clock=time.time)
         wait_keys(ctx.store, ["train/t0"], cfg.cluster.timeout, "worker 0's start time")
         t0 = float(ctx.store.get("train/t0").decode())
-        from plexus.train.runner import total_steps
         iterations = total_steps(cfg, coordinator.steps_per_epoch)
         stop_requested = lambda: ctx.store.check([_STOP_REQUEST])  # noqa: E731
         try:
@@ -172,7 +172,7 @@ class SandblasterStrategy(Strategy):
         self.numel, self.dtype = flat.numel(), flat.dtype
         self.shards = _servers(self.cfg)
         self.ranges = [shard_range(self.numel, self.shards, s) for s in range(self.shards)]
-        self.snapshot = copy.deepcopy(model)
+        self.trial_model = copy.deepcopy(model)
         self.claims: Claims | None = None
         self.rejected = {Accepted.DUPLICATE.name.lower(): 0, Accepted.STALE.name.lower(): 0}
         self.steps = 0
@@ -189,7 +189,9 @@ class SandblasterStrategy(Strategy):
                 link.send_to_peer(flat[start:end].contiguous())
                 self._reply(link)
 
-    def units(self, samples: int) -> Claims:
+    def feed(self, ctx: Context, samples: int, shared_budget: bool = True) -> Feed:
+        """The coordinator's scheduler hands out the units of data (``Claims``), and says
+        when the run ends, whatever ``--steps``."""
         if self.rank == 0:
             self.ctx.store.set(_SAMPLES_KEY, str(samples))
         batch = min(self.cfg.run.batch_size, samples)
@@ -197,7 +199,7 @@ class SandblasterStrategy(Strategy):
         self.claims = Claims(self.ctx.store, self.rank, batch, unit_size(self.cfg, samples),
                              self.cfg.strategy.backup_after, batches.indices, self._pull_trial,
                              self.cfg.cluster.timeout)
-        return self.claims
+        return ClaimFeed(self.cfg, ctx.store, self.rank, ctx.info.world_size, self.claims)
 
     def _reply(self, link: Link) -> tuple[Kind, int]:
         head = torch.empty(wire.HEADER_LEN, dtype=torch.int64)
@@ -255,11 +257,11 @@ class SandblasterStrategy(Strategy):
         return StepStats(loss=float(loss.detach()) if objective is None else objective)
 
     def global_model(self) -> nn.Module:
-        return self.snapshot
+        return self.trial_model
 
     def prepare_snapshot(self, final: bool = False) -> dict[str, Any]:
         if self.rank == 0:
-            self._pull(Slot.X, -1, self.snapshot)
+            self._pull(Slot.X, -1, self.trial_model)
         return {}
 
     def agree(self, flag: bool) -> bool:

@@ -89,7 +89,7 @@ def steps_per_worker(cfg: JobConfig, n_train: int) -> int | None:
     ``--time-limit`` bounds the run. Synchronous runs take global batches and
     asynchronous ones a partition each (``batches.py``); the two epochs differ by under a
     step, so the longer is taken and no check here refuses a run that would have fired."""
-    from plexus.train.runner import total_steps
+    from plexus.train.feed import total_steps
     if cfg.run.steps is None and cfg.run.epochs is None and cfg.run.time_limit is not None:
         return None
     workers, batch = cfg.cluster.workers, cfg.run.batch_size

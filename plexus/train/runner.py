@@ -1,9 +1,11 @@
 """The training loop of one worker process, the same for every strategy.
 
-It loads data and builds the model deterministically (contract 2), picks this worker's
-samples (contract 1), drives the strategy, logs metrics, snapshots the global model for
-evaluation off the clock, stops on steps, epochs, time or target accuracy, and leaves its
-final record in the store for the summary (``summary.py``).
+The local executor of ARCHITECTURE.md section 9: the whole model in each worker. It loads
+data and builds the model deterministically (contract 2), takes this worker's samples
+from the strategy's feed (contract 1), drives the strategy by its verbs alone
+(``strategies/base.py``), logs metrics, evaluates the snapshots the strategy hands it off
+the clock, stops on steps, epochs, time or target accuracy, and leaves its final record
+in the store for the summary (``summary.py``).
 """
 from __future__ import annotations
 
@@ -27,21 +29,18 @@ from plexus.config import JobConfig
 from plexus.config.defaults import is_asynchronous
 from plexus.errors import ConfigError, PlexusError
 from plexus.strategies import Context, RoleContext, create_strategy, strategy_class
-from plexus.strategies.base import StepStats
-from plexus.strategies.elastic import Regrouped
-from plexus.train.batches import GlobalBatches, PartitionBatches, UnitBatches
-from plexus.train.budget import BUDGET_KEY, UpdateBudget
+from plexus.strategies.base import Regrouped, Snapshot, StepStats
 from plexus.train.checkpoint import Checkpointer, load_piece
 from plexus.train.data import Dataset, load_dataset
 from plexus.train.health import Health, hint
 from plexus.train.evaluation import Evaluation, SnapshotEvaluator, evaluate, loss_fn
+from plexus.train.feed import Feed
 from plexus.train.metrics import MetricsLog
 from plexus.train.models import build_model
 from plexus.train.progress import STEPS_KEY
 from plexus.train.timing import StepTimer
 
-__all__ = ["worker_main", "role_main", "NonFiniteLoss", "save_dataset", "load_saved_dataset", "resolve_device",
-           "total_steps"]
+__all__ = ["worker_main", "role_main", "NonFiniteLoss", "save_dataset", "load_saved_dataset", "resolve_device"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,27 +86,11 @@ def resolve_device(cfg: JobConfig, local_rank: int) -> tuple[torch.device, str]:
     return device, backend
 
 
-# Steps of a run given no length: one epoch of a small dataset (digits: 22 steps of 64) is
-# too short to learn anything, or for a --kill at step 30 to fire.
-DEFAULT_MIN_STEPS = 300
-
-
-def total_steps(cfg: JobConfig, steps_per_epoch: int) -> int:
-    """Steps the run may take: --steps, else --epochs; when neither (nor --time-limit) is
-    given, one epoch or DEFAULT_MIN_STEPS, whichever is longer."""
-    if cfg.run.steps is not None:
-        return cfg.run.steps
-    if cfg.run.epochs is not None:
-        return max(1, math.ceil(cfg.run.epochs * steps_per_epoch))
-    if cfg.run.time_limit is not None:
-        return 2**62  # bounded by --time-limit alone
-    return max(steps_per_epoch, DEFAULT_MIN_STEPS)
-
-
 def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
                 data: Dataset | None = None) -> None:
     """Train as worker ``info.rank``; leaves its final record (and, on the process that
-    evaluates, ``stats/eval``) in the store for the summary."""
+    evaluates, ``stats/eval``) in the store for the summary. The strategy is driven by its
+    verbs alone (``strategies/base.py``): setup, feed, step, snapshot, agree, finish, close."""
     if cfg.cluster.threads:
         torch.set_num_threads(cfg.cluster.threads)
     device, backend = resolve_device(cfg, info.local_rank)
@@ -127,36 +110,17 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
     timer = StepTimer()  # compute vs communication and waiting, for the report's time line
     strategy.setup(model, timer.wrap(loss_fn), ctx)
     workers, rank = info.world_size, info.rank
-    share = cfg.run.batch_size // workers
-    # ps --assignment dynamic: each step trains on the job's next unit, numbered by the
-    # shared budget's tickets. ps --backup-workers: a worker that fell behind skips to the
-    # job's current step (DownpourStrategy.job_step), and the job ends when it has made its
-    # steps (strategies/downpour.py; config/applies.py gives both flags to ps alone).
-    dynamic = cfg.strategy.assignment == "dynamic" and strategy.shares_budget(cfg)
-    catch_up = cfg.strategy.backup_workers > 0 and strategy.synchronous
-    # A strategy with its own scheduler hands out the data, and says when the run ends.
-    units = strategy.units(len(data.x_train))
-    if units is not None:
-        share, limit = units.unit_samples, 2**62
-    else:
-        if strategy.synchronous:
-            batches = GlobalBatches(len(data.x_train), cfg.run.batch_size, cfg.run.seed)
-        elif dynamic:
-            batches = UnitBatches(len(data.x_train), cfg.run.batch_size, cfg.run.seed, workers)
-        else:
-            batches = PartitionBatches(len(data.x_train), share, cfg.run.seed, rank, workers)
-        limit = total_steps(cfg, batches.steps_per_epoch)
-
+    feed = strategy.feed(ctx, len(data.x_train))
     if rank == 0:
-        store.set(STEPS_KEY, str(limit))  # for the progress display (train/progress.py)
-    resumed = _resume(cfg, strategy, store, rank) if cfg.run.resume else 0
+        store.set(STEPS_KEY, str(feed.limit))  # for the progress display (train/progress.py)
+    resumed = _resume(cfg, strategy, feed, store, rank) if cfg.run.resume else 0
     checkpointer = None
     if cfg.run.checkpoint_every:
         if run_dir is None:
             raise ConfigError("--checkpoint-every writes into the run directory, which this process does not have "
                               "(under torchrun only worker 0 does): use the local launcher")
         checkpointer = Checkpointer(cfg, store, run_dir, rank, workers, strategy.checkpoint_servers(cfg),
-                                    strategy.synchronous)
+                                    feed.lockstep)
     # The training clock starts when every worker is ready; worker 0's start is everyone's.
     store_barrier(store, "train/ready", workers, cfg.cluster.timeout)
     if rank == 0:
@@ -165,30 +129,35 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
     t0 = float(store.get("train/t0").decode())
     clock = lambda: time.time() - t0  # noqa: E731
 
-    holder = strategy.global_model()
+    # The evaluators of the global model's snapshots, and of worker 0's own replica where
+    # the strategy keeps one (decentralized strategies): made on the worker the strategy
+    # hands its snapshots to, at the first one.
+    evaluator: SnapshotEvaluator | None = None
+    replica_eval: SnapshotEvaluator | None = None
+    evaluates_replica = rank == 0
 
-    def snapshots() -> SnapshotEvaluator:
-        """The evaluator of ``holder``'s snapshots, on the worker that evaluates them."""
-        return SnapshotEvaluator(holder, data.x_test, data.y_test, device, log, cfg.run.target_accuracy,
-                                 on_target=_target_recorder(store, cfg))
+    def evaluate_snapshot(snapshot: Snapshot, step: int, now: float) -> None:
+        nonlocal evaluator, replica_eval
+        if snapshot.fields:
+            log.log("strategy", time=now, worker=rank, step=step, **snapshot.fields)
+        if snapshot.model is None:
+            return
+        if evaluator is None:
+            if rank != 0:
+                logger.warning("worker %d: the workers below it are lost; it evaluates from step %d on", rank, step)
+            evaluator = SnapshotEvaluator(snapshot.model, data.x_test, data.y_test, device, log,
+                                          cfg.run.target_accuracy, on_target=_target_recorder(store, cfg))
+        evaluator.submit(snapshot.model, step, now, feed.seen(step))
+        if snapshot.replica is not None and evaluates_replica:
+            if replica_eval is None:
+                replica_eval = SnapshotEvaluator(snapshot.replica, data.x_test, data.y_test, device, log, None,
+                                                 model_label=f"worker{rank}")
+            replica_eval.submit(snapshot.replica, step, now, feed.samples(step))
 
-    evaluator = snapshots() if holder is not None and rank == 0 else None
-    # Decentralized strategies: worker 0's own replica is evaluated besides the global model.
-    replica = strategy.replica() if evaluator is not None else None
-    replica_eval = None
-    if replica is not None:
-        replica_eval = SnapshotEvaluator(replica, data.x_test, data.y_test, device, log, None,
-                                         model_label=f"worker{rank}")
     must_agree = cfg.run.time_limit is not None or cfg.run.target_accuracy is not None
     steps_done, loss = 0, float("nan")
-    samples_per_step = cfg.run.batch_size if strategy.synchronous else share
-    if catch_up:  # a job's step uses the first workers - backup_workers slices
-        samples_per_step = (workers - cfg.strategy.backup_workers) * share
-    # Asynchronous workers count the samples of the whole job together in the store (at
-    # every log step), so that worker 0's evaluations say how much the job has seen.
-    shared_samples, reported = not strategy.synchronous and workers > 1, 0
     classes = data.num_classes if data.task == "classification" else None
-    health = Health(total_steps=limit, classes=classes)
+    health = Health(total_steps=feed.limit, classes=classes)
     settings, asynchronous = cfg.settings(), is_asynchronous(cfg.to_flat())
 
     def health_event(state: str, loss: float) -> str | None:
@@ -205,55 +174,36 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
                 "health_step": health.step, **timer.fields()}
 
     try:
-        # Asynchronous strategies may stop on one budget of updates shared by the workers
-        # (train/budget.py; Lian et al. 2018): each update is claimed before it is made, and
-        # a worker's last step is the one after which no claim is left.
-        budget = UpdateBudget.open(store, limit, workers, numbered=dynamic) if strategy.shares_budget(cfg) else None
-        if budget is not None:
-            limit = budget.total if budget.take() else 0
-        first = max(strategy.first_step(), resumed)
-        steps_done = first
-        if first and health.chance_loss is not None:
+        step = steps_done = feed.start(resumed)
+        if step and health.chance_loss is not None:
             health.baseline(health.chance_loss)  # joined midway: the job started at chance
-        for step in range(first, limit):
+        while step < feed.limit:
             emulator.at_step(step)
-            if units is not None:
-                idx = units.next()
-                if idx is None:
-                    break
-            elif dynamic:
-                idx = batches.indices(budget.ticket)
-            elif catch_up:
-                at = strategy.job_step()
-                if at >= limit:
-                    break  # the job has made its steps, with or without this worker
-                idx = batches.worker_indices(at, rank, workers)
-            elif strategy.synchronous:
-                idx = batches.worker_indices(step, *strategy.share(step, rank, workers))
-            else:
-                idx = batches.indices(step)
+            idx = feed.indices(step)
+            if idx is None:
+                break  # the job has no more work for this worker
             while True:
                 x, y = data.x_train[idx].to(device, non_blocking=True), data.y_train[idx].to(device, non_blocking=True)
                 try:
                     with timer.stepping():
                         stats = strategy.step(x, y)
                     break
-                except Regrouped as again:  # an elastic group lost a worker during the step
+                except Regrouped as again:  # the group re-formed during the step
                     if again.completed:
                         stats = StepStats(loss=again.loss)
                         break
-                    idx = batches.worker_indices(step, *strategy.share(step, rank, workers))
+                    idx = feed.retry(step)
             loss = stats.loss
-            steps_done = step + 1
-            if budget is not None and not budget.take():
-                limit = steps_done  # the shared budget is spent: this step is this worker's last
+            step = steps_done = step + 1
+            more = feed.stepped(steps_done)
             if not math.isfinite(loss):
                 # The end of training on this worker; it still leaves a record saying so,
                 # so the summary written after the job fails has its health and step.
                 health.diverged(steps_done)
                 why = health_event("diverging", loss)
                 store_set_json(store, f"stats/worker/{rank}", {**record(clock(), None), "non_finite_loss": True})
-                raise NonFiniteLoss(f"worker {rank}: the training loss became {loss} at step {step}: {why}")
+                raise NonFiniteLoss(f"worker {rank}: the training loss became {loss} at step {steps_done - 1}: "
+                                    f"{why}")
             changed = health.observe(steps_done, loss)
             if changed is not None:
                 # Async training diverges without NaNs, or stalls at chance; say so while it
@@ -265,31 +215,16 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
                 else:
                     logger.warning("worker %d: training is %s at step %d (loss %.4g): %s", rank, changed,
                                    steps_done, loss, why)
-            samples = (strategy.job_step() if catch_up else steps_done) * samples_per_step
-            job_samples = samples  # what the whole job has consumed, as this worker knows it
-            if shared_samples and (steps_done % cfg.run.log_every == 0 or steps_done == limit):
-                job_samples = store.add(_SAMPLES_KEY, samples - reported)
-                reported = samples
-            if steps_done % cfg.run.log_every == 0 or steps_done == limit:
+            if steps_done % cfg.run.log_every == 0 or steps_done == feed.limit:
                 # samples: the job's total (metrics.py), so that job throughput is its slope
-                # whatever the strategy; worker_samples: this worker's own share of it.
-                log.log("train", time=clock(), worker=rank, step=steps_done, loss=loss, samples=job_samples,
-                        worker_samples=samples, bytes_sent=traffic.bytes_sent, bytes_recv=traffic.bytes_recv,
-                        staleness=stats.staleness, **timer.fields())
+                # whatever the strategy; worker_samples: this worker's own count of it.
+                log.log("train", time=clock(), worker=rank, step=steps_done, loss=loss,
+                        samples=feed.publish(steps_done), worker_samples=feed.samples(steps_done),
+                        bytes_sent=traffic.bytes_sent, bytes_recv=traffic.bytes_recv, staleness=stats.staleness,
+                        **timer.fields())
             if cfg.run.eval_every and steps_done % cfg.run.eval_every == 0:
-                if evaluator is None and holder is not None and strategy.evaluates(rank):
-                    logger.warning("worker %d: the workers below it are lost; it evaluates from step %d on",
-                                   rank, steps_done)
-                    evaluator = snapshots()
                 now = clock()
-                fields = strategy.prepare_snapshot()  # on every worker: it may be a collective
-                if evaluator is not None:
-                    evaluator.submit(holder, steps_done, now, store.add(_SAMPLES_KEY, 0) if shared_samples
-                                     else samples)
-                if replica_eval is not None:
-                    replica_eval.submit(replica, steps_done, now, samples)
-                if fields:
-                    log.log("strategy", time=now, worker=rank, step=steps_done, **fields)
+                evaluate_snapshot(strategy.snapshot(rank), steps_done, now)  # on every worker: it may be a collective
             if checkpointer is not None and checkpointer.plan.due(steps_done):
                 checkpointer.write(steps_done, strategy.checkpoint_state())
             if must_agree and steps_done % cfg.run.log_every == 0:
@@ -297,55 +232,52 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
                 reached = evaluator is not None and evaluator.reached.is_set()
                 if strategy.agree(over or reached):
                     break
-            if budget is not None and budget.spent:
+            if not more:
                 break
         if checkpointer is not None:
             checkpointer.leave()
         wall = clock()
-        fields = strategy.prepare_snapshot(final=True)
-        if fields:
-            log.log("strategy", time=wall, worker=rank, step=steps_done, **fields)
-        # The strategy names the worker that evaluates the final model (worker 0 unless it
-        # may be lost); it may wait here for the other workers to finish.
-        final = strategy.final_model(rank)
+        # The strategy hands the finished model to the worker that evaluates it (worker 0
+        # unless it may be lost); it may wait here for the other workers to finish.
+        final = strategy.snapshot(rank, final=True)
+        if final.fields:
+            log.log("strategy", time=wall, worker=rank, step=steps_done, **final.fields)
         replica_acc = replica_loss = None
-        if replica_eval is not None:
+        if final.replica is not None and evaluates_replica:
+            if replica_eval is None:
+                replica_eval = SnapshotEvaluator(final.replica, data.x_test, data.y_test, device, log, None,
+                                                 model_label=f"worker{rank}")
             replica_eval.close()
-            replica_loss, replica_acc = evaluate(replica, data.x_test, data.y_test, device)
+            replica_loss, replica_acc = evaluate(final.replica, data.x_test, data.y_test, device)
             if not replica_eval.results or replica_eval.results[-1].step != steps_done:
-                replica_eval.record(Evaluation(step=steps_done, time=wall, samples=steps_done * samples_per_step,
+                replica_eval.record(Evaluation(step=steps_done, time=wall, samples=feed.samples(steps_done),
                                                accuracy=replica_acc, loss=replica_loss))
-        if final is not None and evaluator is None:
-            evaluator = SnapshotEvaluator(final, data.x_test, data.y_test, device, log, cfg.run.target_accuracy)
+        if final.model is not None and evaluator is None:
+            evaluator = SnapshotEvaluator(final.model, data.x_test, data.y_test, device, log, cfg.run.target_accuracy)
         if evaluator is not None:
             evaluator.close()
-        if final is not None:
-            record_final_evaluation(
-                final, data, device, evaluator, store, cfg, run_dir, steps=steps_done, wall=wall,
-                samples=lambda: store.add(_SAMPLES_KEY, 0) if shared_samples else
-                (strategy.job_step() if catch_up else steps_done) * samples_per_step,
-                replica=(replica_acc, replica_loss))
+        if final.model is not None:
+            record_final_evaluation(final.model, data, device, evaluator, store, cfg, run_dir, steps=steps_done,
+                                    wall=wall, samples=lambda: feed.seen(steps_done),
+                                    replica=(replica_acc, replica_loss))
+        done = strategy.finish(cfg, rank)
         store_set_json(store, f"stats/worker/{rank}", {
-            **record(wall, loss), "update_budget": budget.total if budget is not None else None,
-            "checkpoints": checkpointer.written if checkpointer is not None else [],
-            **strategy.final_record()})
-        if strategy.synchronous and not strategy.tolerates_loss(cfg, "worker", rank):
-            # Nobody may tear down the group while others still use it (a strategy that
-            # outlives lost workers has no such group, and its survivors cannot wait for all).
+            **record(wall, loss), "update_budget": feed.budget.total if feed.budget is not None else None,
+            "checkpoints": checkpointer.written if checkpointer is not None else [], **done.record})
+        if done.wait:
             store_barrier(store, "train/done", workers, cfg.cluster.timeout)
     finally:
+        for open_evaluator in (evaluator, replica_eval):
+            if open_evaluator is not None:
+                open_evaluator.close()
         log.close()
         strategy.close()
 
 
-
-_SAMPLES_KEY = "train/samples"
-
-
-def _resume(cfg: JobConfig, strategy, store, rank: int) -> int:
+def _resume(cfg: JobConfig, strategy, feed: Feed, store, rank: int) -> int:
     """Load this worker's part of the checkpoint ``cfg.run.resume`` (its steps, random
-    state and strategy state); returns the steps it had made. Under a shared budget,
-    worker 0 gives back to it the updates the job had made."""
+    state and strategy state); returns the steps it had made. Worker 0 gives the feed the
+    updates the whole job had made (a budget the workers share counts on from there)."""
     folder = Path(cfg.run.resume)
     steps = 0
     if (folder / f"worker-{rank}.pt").is_file():
@@ -353,8 +285,8 @@ def _resume(cfg: JobConfig, strategy, store, rank: int) -> int:
         steps = int(mine["steps"])
         torch.set_rng_state(mine["rng"])
         strategy.restore_checkpoint(mine, lambda name: load_piece(folder, name))
-    if rank == 0 and strategy.shares_budget(cfg):
-        store.add(BUDGET_KEY, sum(int(load_piece(folder, p.stem)["steps"]) for p in folder.glob("worker-*.pt")))
+    if rank == 0:
+        feed.restore(lambda: sum(int(load_piece(folder, p.stem)["steps"]) for p in folder.glob("worker-*.pt")))
     return steps
 
 

@@ -10,9 +10,11 @@ apart (ARCHITECTURE.md section 9):
 - the executor (``parallel/executor.py``), how its replica computes a step: the stage's
   dataflow forward and backward over the cut edges, offered as a loss function;
 - the synchroniser, the job's strategy, unchanged, over stage k's group (stage k of
-  every replica, ``train/stage_groups.py``), with the stage module as its model: it calls
-  the loss, runs ``backward()``, agrees with the other replicas and steps, as it does for
-  a whole model in a worker.
+  every replica, ``train/stage_groups.py``), with the stage module as its model, driven
+  by the verbs a worker's runner uses (``strategies/base.py``: setup, feed, step,
+  snapshot, finish, close): it calls the loss, runs ``backward()``, agrees with the other
+  replicas and steps, as it does for a whole model in a worker. A stage with no
+  parameters gets ``Alone``, which agrees on nothing.
 
 The output stage of replica 0 watches health, evaluates snapshots of the merged model
 (every stage's part of the strategy's global model) off the training path, decides when
@@ -42,21 +44,43 @@ from plexus.parallel.executor import StageExecutor, gather_state, shared_plan, s
 from plexus.parallel.stages import build_stages
 from plexus.parallel.tensor import plan_tensor_split, shard_module
 from plexus.strategies import create_strategy
-from plexus.strategies.base import Context, make_optimizer
-from plexus.train.batches import GlobalBatches, PartitionBatches
+from plexus.strategies.base import Context, LossFn, StepStats, Strategy, make_optimizer
 from plexus.train.data import load_dataset
 from plexus.train.evaluation import SnapshotEvaluator
 from plexus.train.health import Health, hint
 from plexus.train.metrics import MetricsLog
 from plexus.train.models import build_model
 from plexus.train.progress import STEPS_KEY
-from plexus.train.runner import NonFiniteLoss, record_final_evaluation, resolve_device, total_steps
+from plexus.train.runner import NonFiniteLoss, record_final_evaluation, resolve_device
 from plexus.train.plan import stage_position
 from plexus.train.stage_groups import group_config, group_of, group_store
 
-__all__ = ["stage_main"]
+__all__ = ["stage_main", "Alone"]
 
 logger = logging.getLogger(__name__)
+
+
+class Alone(Strategy):
+    """The synchroniser of a stage with no parameters, which has nothing to agree on: its
+    step runs the stage's loss and backward (which exchange values and gradients with the
+    replica's other stages), and its feed is of the job strategy's kind (slices of global
+    batches, or the replica's own partition), so that it reads its replica's batches."""
+
+    name = "alone"
+
+    def __init__(self, cfg: JobConfig) -> None:
+        self.synchronous = not is_asynchronous(cfg.to_flat())
+
+    def setup(self, model: torch.nn.Module, loss_fn: LossFn, ctx: Context) -> None:
+        self.model, self.loss_fn = model, loss_fn
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> StepStats:
+        loss = self.loss_fn(self.model, x, y)
+        loss.backward()
+        return StepStats(loss=loss.item())
+
+    def global_model(self) -> torch.nn.Module:
+        return self.model
 
 
 def _loss(output: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -102,24 +126,19 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
     lead = r == 0 and k == g and t == 0  # replica 0's output stage: evaluates, decides and logs
     log = MetricsLog(run_dir if lead else None)
     # The synchroniser: the job's strategy as worker r of stage k's group, whose model is
-    # this stage's module. A stage with no parameters has nothing to agree on.
-    strategy, sync_traffic = None, Traffic()
-    synchronous = not is_asynchronous(cfg.to_flat())
-    if any(True for _ in program.module.parameters()):
-        strategy = create_strategy(cfg.strategy.strategy)
-        synchronous = strategy.synchronous
-        gi = group_of(k, t, shards)
-        group = group_config(cfg, gi)
-        ctx = Context(info=dataclasses.replace(info, role="worker", rank=r, world_size=replicas),
-                      store=group_store(store, gi), cfg=group, traffic=sync_traffic,
-                      emulator=Emulator(group.cluster, "worker", r), device=device, backend=backend, log=log)
-        strategy.setup(program.module, own.loss_fn, ctx)
-    holder = strategy.global_model() if strategy is not None else program.module
-    if synchronous:
-        batches = GlobalBatches(len(data.x_train), batch, cfg.run.seed)
-    else:
-        batches = PartitionBatches(len(data.x_train), share, cfg.run.seed, r, replicas)
-    limit = total_steps(cfg, batches.steps_per_epoch)
+    # this stage's module, driven by the same verbs as a worker's (strategies/base.py).
+    gi = group_of(k, t, shards)
+    group = group_config(cfg, gi)
+    sync_traffic = Traffic()
+    ctx = Context(info=dataclasses.replace(info, role="worker", rank=r, world_size=replicas),
+                  store=group_store(store, gi), cfg=group, traffic=sync_traffic,
+                  emulator=Emulator(group.cluster, "worker", r), device=device, backend=backend, log=log)
+    has_parameters = any(True for _ in program.module.parameters())
+    strategy = create_strategy(cfg.strategy.strategy) if has_parameters else Alone(cfg)
+    strategy.setup(program.module, own.loss_fn, ctx)
+    # The stages of a replica must make the same steps: no budget shared with other replicas.
+    feed = strategy.feed(ctx, len(data.x_train), shared_budget=False)
+    limit = feed.limit
     classes = data.num_classes if data.task == "classification" else None
     evaluator = whole = None
     if lead:
@@ -147,17 +166,13 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
         clock = lambda: time.time() - t0  # noqa: E731
         loss = float("nan")
         steps_done = 0
-        for step in range(limit):
-            idx = batches.worker_indices(step, r, replicas) if synchronous else batches.indices(step)
+        for step in range(feed.start(0), limit):
+            idx = feed.indices(step)
             x, y = data.x_train[idx].to(device), data.y_train[idx].to(device)
             own.begin_step()
-            if strategy is not None:
-                out = strategy.step(x, y).loss
-            else:
-                value = own.loss_fn(program.module, x, y)
-                value.backward()
-                out = value.item()
+            out = strategy.step(x, y).loss
             own.end_step()
+            feed.stepped(step + 1)
             steps_done = step + 1
             if k == g and t == 0:
                 loss = out
@@ -174,17 +189,19 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
                                    "" if why is None else f": {why}")
                 if steps_done % cfg.run.log_every == 0 or steps_done == limit:
                     log.log("train", time=clock(), worker=r, step=steps_done, loss=loss,
-                            samples=steps_done * (batch if synchronous else share), worker_samples=steps_done * share,
+                            samples=feed.publish(steps_done), worker_samples=steps_done * share,
                             bytes_sent=traffic.bytes_sent, bytes_recv=traffic.bytes_recv)
             if cfg.run.eval_every and steps_done % cfg.run.eval_every == 0 and steps_done < limit:
                 now = clock()
-                if strategy is not None:
-                    strategy.prepare_snapshot()  # in every replica: it may be a collective of the group
-                if r == 0:
-                    merged = gather_state(own, programs, holder)
+                snapshot = strategy.snapshot(r)  # in every replica: it may be a collective of the group
+                if lead and snapshot.fields:
+                    log.log("strategy", time=now, worker=r, step=steps_done, **snapshot.fields)
+                if r == 0:  # replica 0's stages merge the stage's global model on the output stage
+                    held = snapshot.model if snapshot.model is not None else program.module
+                    merged = gather_state(own, programs, held)
                     if merged is not None:
                         whole.load_state_dict(merged)
-                        evaluator.submit(whole, steps_done, now, steps_done * (batch if synchronous else share))
+                        evaluator.submit(whole, steps_done, now, feed.seen(steps_done))
             if must_agree and steps_done % cfg.run.log_every == 0:
                 # The output stage decides, every stage stops after the same step.
                 key = f"stages/stop/{steps_done}"
@@ -195,28 +212,27 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
                 if store.get(key) == b"1":
                     break
         wall = clock()
-        final = program.module
-        if strategy is not None:
-            strategy.prepare_snapshot(final=True)
-            final = strategy.final_model(r)
+        final = strategy.snapshot(r, final=True)
+        done = strategy.finish(group, r)  # every stage waits for the others below (stages/done)
         record = {**own.figures(steps_done), "group": group_of(k, t, shards), "wall_seconds": wall,
                   # As a worker's record of the group's job, for its strategy's summary_fields.
                   "sync": {"steps": steps_done, "wall_seconds": wall, "bytes_sent": sync_traffic.bytes_sent,
                            "bytes_recv": sync_traffic.bytes_recv, "traffic": sync_traffic.snapshot(),
-                           "update_budget": None, **(strategy.final_record() if strategy is not None else {})},
+                           "update_budget": None, **done.record},
                   "sync_traffic": sync_traffic.snapshot(), "sync_bytes_sent": sync_traffic.bytes_sent,
                   "sync_bytes_recv": sync_traffic.bytes_recv}
         if predicted is not None:  # per step, for the steps made: beside compute_seconds
             record["predicted_compute_seconds"] = predicted[k][0] * steps_done
             record["predicted_seconds"] = predicted[k][1] * steps_done
-        merged = gather_state(own, programs, final if final is not None else holder) if r == 0 else None
+        held = final.model if final.model is not None else program.module
+        merged = gather_state(own, programs, held) if r == 0 else None
         record["snapshot_bytes_sent"] = own.gather_traffic.bytes_sent  # the final gather's too
         store_set_json(store, f"stats/stage/{i}", record)
         if merged is not None:
             whole.load_state_dict(merged)
             evaluator.close()
             record_final_evaluation(whole, data, device, evaluator, store, cfg, run_dir, steps=steps_done, wall=wall,
-                                    samples=lambda: steps_done * (batch if synchronous else share))
+                                    samples=lambda: feed.seen(steps_done))
         if k == g and t == 0:
             mine = [r * per_replica + j for j in range(per_replica)]
             wait_keys(store, [f"stats/stage/{j}" for j in mine], cfg.cluster.timeout,
@@ -244,6 +260,5 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
         if evaluator is not None:
             evaluator.close()
         log.close()
-        if strategy is not None:
-            strategy.close()
+        strategy.close()
         own.close()
