@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from plexus.config import TRANSPORTS
+from plexus.config import PIPELINE_SCHEDULES, TRANSPORTS
 
 if TYPE_CHECKING:
     from plexus.report.judging import Judged
@@ -124,8 +124,9 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
           help="split each stage's large Linear and Conv layers across T processes (default 1)")
     _flag(g, "microbatches", type=int, metavar="M",
           help="pipeline the stages: each replica's batch in M micro-batches (default 1, no pipeline)")
-    _flag(g, "schedule", choices=["gpipe", "1f1b"],
-          help="the order each stage runs its micro-batches' forwards and backwards (default 1f1b)")
+    _flag(g, "schedule", choices=list(PIPELINE_SCHEDULES),
+          help="the order each stage runs its micro-batches' forwards and backwards (default 1f1b); zb-h1 "
+               "splits each backward into input and weight gradients")
     _flag(g, "recompute", action="store_const", const=True,
           help="keep only each micro-batch's inputs and run its forward again for its backward")
     g = parser.add_argument_group("optimisation")

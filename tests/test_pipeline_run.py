@@ -5,13 +5,15 @@ The oracle is a one-process run of the same job: a synchronous schedule makes on
 optimizer step per batch on the gradient of the whole batch's mean loss, so K stages and
 M micro-batches must give the same model to float32 rounding. Each cut edge carries one
 message per micro-batch, the plan's bytes in all, and a stage holds at most the
-activations its schedule keeps in flight (GPipe: M; 1F1B: K - k on stage k)."""
+activations its schedule keeps in flight (GPipe: M; 1F1B: K - k on stage k; zb-h1: what
+``ZeroBubbleH1.max_in_flight`` counts, each micro-batch held until its W)."""
 from __future__ import annotations
 
 import subprocess
 
 import pytest
 
+from plexus.parallel.schedules import ZeroBubbleH1
 from test_cli import assert_usage_error
 from test_stages_run import _train, assert_same_model
 
@@ -25,7 +27,7 @@ def one_process(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parallel
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 @pytest.mark.parametrize("stages", [2, 3, 4])
 @pytest.mark.parametrize("microbatches", [2, 4, 8])
 def test_a_synchronous_pipeline_equals_one_process(schedule, stages, microbatches, one_process, tmp_path):
@@ -37,13 +39,19 @@ def test_a_synchronous_pipeline_equals_one_process(schedule, stages, microbatche
         assert row["messages_sent"] == STEPS * microbatches  # one message per micro-batch and edge
     pipeline = summary["pipeline"]
     assert (pipeline["schedule"], pipeline["microbatches"]) == (schedule, microbatches)
-    assert pipeline["bubble_predicted"] == pytest.approx((stages - 1) / (microbatches + stages - 1))
+    # zb-h1 idles (K-1)(f+b-w) per stage, f = b = w: (K-1)/(3M+K-1) (Qi et al. 2023).
+    fill = 3 * microbatches if schedule == "zb-h1" else microbatches
+    assert pipeline["bubble_predicted"] == pytest.approx((stages - 1) / (fill + stages - 1))
     assert 0 <= pipeline["bubble_simulated"] < 1 and 0 <= pipeline["bubble_measured"] < 1
     held = {s["stage"]: s["max_in_flight"] for s in summary["stages"]}
     if schedule == "gpipe":
         assert held == {k: microbatches for k in range(stages)}
-    else:  # 1F1B: stage k starts K - k micro-batches before its first backward
+    elif schedule == "1f1b":  # stage k starts K - k micro-batches before its first backward
         assert held == {k: min(stages - k, microbatches) for k in range(stages)}
+    else:  # a micro-batch's activations stay until its W, which stage k defers by k backwards
+        schedule_object = ZeroBubbleH1(stages=stages, microbatches=microbatches)
+        assert held == {k: schedule_object.max_in_flight(k) for k in range(stages)}
+        assert all(s["weight_op_seconds"] > 0 for s in summary["stages"])
 
 
 @pytest.mark.parametrize("args, needles", [

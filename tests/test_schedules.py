@@ -250,3 +250,12 @@ def test_simulate_takes_each_stage_its_own_costs():
     assert uneven.busy == (12.0, 24.0, 12.0)
     with pytest.raises(ConfigError, match="3 stages need 3 forward and backward costs"):
         simulate(schedule, [1.0, 1.0], 2.0)
+
+
+def test_simulate_takes_a_weight_cost_per_stage():
+    """The summary simulates zb-h1 with each stage's measured W: a W that grows on one
+    stage only lengthens the run, and equal per-stage costs are the scalar's timeline."""
+    from plexus.parallel.schedules import ZeroBubbleH1, simulate
+    zb = ZeroBubbleH1(stages=3, microbatches=4)
+    assert simulate(zb, 1.0, 1.0, [1.0, 1.0, 1.0]).makespan == simulate(zb, 1.0, 1.0, 1.0).makespan
+    assert simulate(zb, 1.0, 1.0, [1.0, 1.0, 3.0]).makespan > simulate(zb, 1.0, 1.0, 1.0).makespan

@@ -99,7 +99,7 @@ def parse_size(text: str) -> int:
 # How plexus.parallel.partition chooses a cut (its METHODS; tested equal).
 PARTITION_METHODS = ("uniform", "params", "time", "manual")
 # The pipeline schedules the stage executor runs (plexus/parallel/schedules.py).
-PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -127,8 +127,10 @@ class ParallelConfig:
     # run in the order of --schedule (parallel/schedules.py); 1: no pipeline.
     microbatches: int = 1
     # The order each stage runs its micro-batches' forwards and backwards: gpipe (every
-    # forward, then every backward) or 1f1b (one forward, one backward; at most K
-    # micro-batches' activations held, not M).
+    # forward, then every backward), 1f1b (one forward, one backward; at most K
+    # micro-batches' activations held, not M) or zb-h1 (1f1b with each backward split
+    # into the input gradient, sent at once, and the weight gradient, run later in the
+    # holes where 1f1b waits; Qi et al. 2023).
     schedule: str = "1f1b"
     # A pipeline's micro-batch keeps only its inputs between its forward and its backward,
     # which runs the forward again (activation recomputation: compute for memory).

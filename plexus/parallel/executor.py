@@ -275,6 +275,8 @@ class _Microbatch:
     x: torch.Tensor | None
     y: torch.Tensor | None
     held: int  # bytes of activations kept for its backward
+    # zb-h1: the (tensors, seeds) B differentiated, kept with the graph for W.
+    seeds: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
 
 class StageExecutor:
@@ -314,7 +316,8 @@ class StageExecutor:
         # --recompute: a micro-batch's forward keeps only its inputs; its backward runs it again.
         self.recompute = cfg.parallel.recompute
         self.pipeline_s = self.pipeline_idle_s = 0.0
-        self.op_seconds = {"forward": [0.0, 0], "backward": [0.0, 0]}  # [sum, count] of micro-batch ops
+        # [sum, count] of micro-batch ops; weight: zb-h1's W, apart from its B (backward).
+        self.op_seconds = {"forward": [0.0, 0], "backward": [0.0, 0], "weight": [0.0, 0]}
         self.batch = cfg.run.batch_size // replicas  # this replica's slice of the global batch
         self.k = k = program.index
         self.step_runner = StageStep(program)
@@ -404,7 +407,8 @@ class StageExecutor:
         at = forward
         # Inside the stage's part: waits, a pipeline's micro-batch forwards and backwards,
         # and computing in between.
-        for what, a, b in sorted([("wait", a, b) for a, b in waits] + self._ops, key=lambda span: span[1]):
+        ops = [("backward" if what == "weight" else what, a, b) for what, a, b in self._ops]  # W: a backward's part
+        for what, a, b in sorted([("wait", a, b) for a, b in waits] + ops, key=lambda span: span[1]):
             a = max(a, at)
             spans += [["compute", at, a], [what, a, b]]
             at = max(at, b)
@@ -494,14 +498,22 @@ class StageExecutor:
         neighbouring stages as a step of one batch does; the gradients accumulate apart
         from the parameters and are deposited by the returned loss's backward (``_Deposit``),
         each micro-batch's loss weighted 1/M, so that the step's gradient is the whole
-        batch's mean loss's, as in one process."""
+        batch's mean loss's, as in one process.
+
+        Under zb-h1 (``splits_backward``) B differentiates only the received values, sends
+        their gradients back at once and keeps the graph; W, later, differentiates the
+        parameters over the same graph and frees it. W walks the graph from the stage's
+        outputs again, so its cost is a whole backward's minus the input gradients' last
+        layer, not the weight half alone: a real split (Qi et al. 2023) keeps B's
+        intermediate gradients for W, which torch.autograd.grad does not expose."""
         p, m_count = self.program, self.microbatches
+        split = self.schedule.splits_backward
         batch = self.batch // m_count
         xs = x.split(batch) if x is not None else [None] * m_count
         ys = y.split(batch) if y is not None else [None] * m_count
         params = [q for q in model.parameters() if q.requires_grad]
         grads = [torch.zeros_like(q) for q in params]
-        live: dict[int, _Microbatch] = {}
+        live: dict[int, _Microbatch] = {}  # forward run, weight gradient not yet taken
         total = torch.zeros((), device=self.device)
         start, waited = time.time(), len(self._waits)
         for op in self.schedule.ops(self.k):
@@ -519,24 +531,32 @@ class StageExecutor:
                 self.in_flight = max(self.in_flight, len(live))
                 self.peak_activation_bytes = max(self.peak_activation_bytes, sum(b.held for b in live.values()))
                 continue
-            mb = live.pop(m)
+            if op.kind == "W":
+                mb = live.pop(m)
+                began = time.time()
+                self._accumulate(grads, params, *mb.seeds)
+                self._ops.append(("weight", began, time.time()))
+                continue
+            mb = live[m] if split else live.pop(m)
             wanted = self._receive_value_gradients(mb.values, m)
             began = time.time()
             if self.recompute:  # the forward again, now keeping what backward needs
                 mb = self._forward(model, mb.received, mb.x, mb.y, grad=True)
-            runner, values, loss = mb.runner, mb.values, mb.loss
-            tensors, seeds = ([loss], [torch.ones_like(loss)]) if loss is not None else ([], [])
+                if split:
+                    live[m] = mb
+            tensors, seeds = ([mb.loss], [torch.ones_like(mb.loss)]) if mb.loss is not None else ([], [])
             for t, buf in wanted:
-                tensors.append(values[t.producer])
+                tensors.append(mb.values[t.producer])
                 seeds.append(buf)
-            leaves = [(t, leaf) for t, leaf in runner.leaves if t.grad]
-            inputs = [*params, *(leaf for _, leaf in leaves)]
-            got = torch.autograd.grad(tensors, inputs, seeds, allow_unused=True) if tensors and inputs else []
-            for acc, g in zip(grads, got[:len(params)]):
-                if g is not None:
-                    acc.add_(g)
+            leaves = [(t, leaf) for t, leaf in mb.runner.leaves if t.grad]
+            if split:  # the input gradient only; the parameters' wait for W
+                mb.seeds = (tensors, seeds)
+                got = torch.autograd.grad(tensors, [leaf for _, leaf in leaves], seeds, retain_graph=True,
+                                          allow_unused=True) if tensors and leaves else []
+            else:
+                got = self._accumulate(grads, params, tensors, seeds, [leaf for _, leaf in leaves])
             self._ops.append(("backward", began, time.time()))
-            for (t, leaf), g in zip(leaves, got[len(params):]):
+            for (t, leaf), g in zip(leaves, got):
                 self._send(t.src, self._tag(t, m, True), g if g is not None else torch.zeros_like(leaf))
         self._finish_sends()
         self.pipeline_s += self._marks["backward"] - start
@@ -545,6 +565,19 @@ class StageExecutor:
             self.op_seconds[kind][1] += 1
         self.pipeline_idle_s += sum(b - a for a, b in self._waits[waited:])
         return _Deposit.apply(grads, total, *params)
+
+    @staticmethod
+    def _accumulate(grads: list[torch.Tensor], params: list[torch.Tensor], tensors: list[torch.Tensor],
+                    seeds: list[torch.Tensor], leaves: list[torch.Tensor] = ()) -> list[torch.Tensor | None]:
+        """Add to ``grads`` the gradients of ``params`` from the backward of ``tensors``
+        seeded with ``seeds`` (freeing the graph); returns those of ``leaves`` too."""
+        inputs = [*params, *leaves]
+        got = torch.autograd.grad(tensors, inputs, seeds, allow_unused=True) if tensors and inputs else \
+            [None] * len(inputs)
+        for acc, g in zip(grads, got[:len(params)]):
+            if g is not None:
+                acc.add_(g)
+        return list(got[len(params):])
 
     def _receive_gradients(self) -> list[torch.Tensor]:
         """The gradients of the values this stage sent, summed over the stages each went to."""
@@ -725,7 +758,8 @@ def stage_summary(records: dict[int, dict[str, Any]]) -> dict[str, Any]:
             "params", "bytes_sent", "bytes_recv", "snapshot_bytes_sent", "sync_bytes_sent", "sync_bytes_recv",
             "tensor_layers", "tensor_messages_sent", "tensor_bytes_sent", "tensor_messages_recv", "tensor_bytes_recv",
             "predicted_tensor_messages", "predicted_tensor_bytes", "max_in_flight", "peak_activation_bytes",
-            "pipeline_seconds", "pipeline_idle_seconds", "bubble", "forward_op_seconds", "backward_op_seconds")
+            "pipeline_seconds", "pipeline_idle_seconds", "bubble", "forward_op_seconds", "backward_op_seconds",
+            "weight_op_seconds")
     ordered = sorted(records.values(), key=lambda r: (r.get("replica", 0), r["stage"], r.get("shard", 0)))
     stages = [{key: rec[key] for key in keys if key in rec} for rec in ordered]
     out = {"stages": stages, "stage_traffic": rows, "traffic_matches_plan": ok and bool(records)}
@@ -742,8 +776,10 @@ def stage_summary(records: dict[int, dict[str, Any]]) -> dict[str, Any]:
         lane = sorted((rec for rec in piped if rec.get("replica", 0) == 0 and rec.get("shard", 0) == 0),
                       key=lambda rec: rec["stage"])
         schedule = make_schedule(lane[0]["schedule"], len(lane), lane[0]["microbatches"])
+        # Under zb-h1 backward_op_seconds is B's and weight_op_seconds W's.
+        weights = [rec["weight_op_seconds"] for rec in lane] if schedule.splits_backward else None
         simulated = simulate(schedule, [rec["forward_op_seconds"] for rec in lane],
-                             [rec["backward_op_seconds"] for rec in lane]).bubble
+                             [rec["backward_op_seconds"] for rec in lane], weights).bubble
         # The bubble: the share of the pipelined part of its steps each stage spent waiting,
         # averaged over the stage processes, beside the schedule's closed form.
         out["pipeline"] = {"schedule": piped[0]["schedule"], "microbatches": piped[0]["microbatches"],

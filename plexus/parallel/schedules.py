@@ -372,13 +372,14 @@ class Timeline:
 
 
 def simulate(schedule: Schedule, forward: float | Sequence[float] = 1.0, backward: float | Sequence[float] = 2.0,
-             weight: float | None = None) -> Timeline:
+             weight: float | Sequence[float] | None = None) -> Timeline:
     """Run ``schedule``'s op lists in virtual time: ops of a stage one after another, each
     starting once the op it depends on in the neighbouring stage has ended (communication
     free). ``forward`` and ``backward`` are a stage's costs for one micro-batch: one for
     every stage, or one per stage (measured costs, say; a chunk op costs 1/v of them).
     Under zb-h1 ``backward`` is B's cost and ``weight`` W's; both default to half of
-    ``backward``, the split of a whole backward into two equal halves. Raises
+    ``backward``, the split of a whole backward into two equal halves; ``weight`` too may
+    be one per stage. Raises
     ScheduleError when an op depends on one that never runs (a deadlock)."""
     k, v = schedule.stages, schedule.chunks
     forwards = [float(forward)] * k if isinstance(forward, (int, float)) else [float(f) for f in forward]
@@ -386,7 +387,12 @@ def simulate(schedule: Schedule, forward: float | Sequence[float] = 1.0, backwar
     if len(forwards) != k or len(backwards) != k:
         raise ConfigError(f"simulate: {k} stages need {k} forward and backward costs, got {len(forwards)} and "
                           f"{len(backwards)}")
-    weights = [weight if weight is not None else b / 2 for b in backwards]
+    if weight is None:
+        weights = [b / 2 for b in backwards]
+    else:
+        weights = [float(weight)] * k if isinstance(weight, (int, float)) else [float(w) for w in weight]
+        if len(weights) != k:
+            raise ConfigError(f"simulate: {k} stages need {k} weight-gradient costs, got {len(weights)}")
     if schedule.splits_backward and weight is None:
         backwards = [b / 2 for b in backwards]
     costs = [{"F": forwards[s] / v, "B": backwards[s] / v, "W": (weights[s] if schedule.splits_backward else 0.0) / v}
