@@ -99,7 +99,10 @@ def parse_size(text: str) -> int:
 # How plexus.parallel.partition chooses a cut (its METHODS; tested equal).
 PARTITION_METHODS = ("uniform", "params", "time", "manual")
 # The pipeline schedules the stage executor runs (plexus/parallel/schedules.py).
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "zb-h1")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "pipedream")
+# Those that never flush: the stages step on their own after each mini-batch's backward,
+# with the weight versions the schedule's ops carry (each step one mini-batch).
+ASYNCHRONOUS_SCHEDULES = ("pipedream", "pipedream-2bw")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -130,11 +133,20 @@ class ParallelConfig:
     # forward, then every backward), 1f1b (one forward, one backward; at most K
     # micro-batches' activations held, not M) or zb-h1 (1f1b with each backward split
     # into the input gradient, sent at once, and the weight gradient, run later in the
-    # holes where 1f1b waits; Qi et al. 2023).
+    # holes where 1f1b waits; Qi et al. 2023). pipedream is asynchronous: 1f1b that never
+    # flushes, each step's batch one mini-batch in flight and each stage stepping after
+    # its backward, with weight stashing (Harlap et al. 2018).
     schedule: str = "1f1b"
     # A pipeline's micro-batch keeps only its inputs between its forward and its backward,
     # which runs the forward again (activation recomputation: compute for memory).
     recompute: bool = False
+    # --schedule pipedream: every stage computes an input with the weight version stage 0
+    # used for it (vertical sync, Narayanan et al. 2019), so each input sees one model.
+    vertical_sync: bool = False
+    # Asynchronous schedules: an input's backward uses the weights its forward used
+    # (weight stashing). False (--no-weight-stashing) backpropagates with the newest
+    # weights instead, which gives no model's gradient: only to measure what stashing buys.
+    weight_stashing: bool = True
 
     def __post_init__(self) -> None:
         _require(self.stages >= 1, "stages", "must be at least 1", self.stages, "pass --stages 2")
@@ -146,6 +158,23 @@ class ParallelConfig:
                  self.schedule, "pass --schedule 1f1b")
         _require(not self.recompute or self.microbatches > 1, "recompute", "applies to pipelines",
                  self.recompute, "pass --microbatches M (2 or more), or drop --recompute")
+        asynchronous = self.schedule in ASYNCHRONOUS_SCHEDULES
+        _require(not asynchronous or self.stages > 1, "schedule", "pipelines the stages of --stages K, K at least 2",
+                 self.schedule, "pass --stages 2 or more")
+        _require(self.schedule != "pipedream" or self.microbatches == 1, "microbatches",
+                 "must be 1 under --schedule pipedream, whose every batch is one mini-batch in flight (it steps "
+                 "after each backward)", self.microbatches, "drop --microbatches")
+        _require(not self.recompute or not asynchronous, "recompute", "applies to the synchronous schedules",
+                 self.recompute, "drop --recompute")
+        _require(not self.vertical_sync or self.schedule == "pipedream", "vertical_sync",
+                 "applies to --schedule pipedream", self.vertical_sync, "pass --schedule pipedream, or drop it")
+        _require(self.weight_stashing or self.schedule == "pipedream", "weight_stashing",
+                 "can be turned off only under --schedule pipedream (the other schedules step once no "
+                 "backward is pending, so their weights never change under one)", self.weight_stashing,
+                 "drop --no-weight-stashing")
+        _require(self.weight_stashing or not self.vertical_sync, "vertical_sync",
+                 "keeps old weight versions for the forwards, which needs weight stashing", self.vertical_sync,
+                 "drop --no-weight-stashing or --vertical-sync")
         _require(self.microbatches == 1 or self.stages > 1, "microbatches",
                  "pipelines the stages of --stages K, K at least 2", self.microbatches,
                  "pass --stages 2 or more, or drop --microbatches")

@@ -34,7 +34,14 @@ to the output stage on links of their own (``gather_state``), counted apart.
 Replicas (``--stages K --workers R``; ``--replicas`` is another name for ``--workers``)
 are synchronised stage by stage: ``train/stage_groups.py``.
 
-Not yet: checkpoints, torchrun, --kill and --slow of a stage, micro-batches (pipelines).
+Pipelines (--microbatches M, --schedule): a synchronous schedule (gpipe, 1f1b, zb-h1)
+runs a step's M micro-batches in its order and leaves the whole batch's gradient for
+the synchroniser (``_pipelined_loss``); pipedream is asynchronous (``_asynchronous_loss``):
+its op list covers the whole run, each synchroniser step runs the ops up to the next
+optimizer step, inputs stay in flight across steps, and each forward and its backward
+use one stashed weight version (``stash.WeightStash``).
+
+Not yet: checkpoints, torchrun, --kill and --slow of a stage.
 """
 from __future__ import annotations
 
@@ -48,15 +55,17 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from torch.func import functional_call
 
 from plexus.cluster.group import Endpoint, Link, Work
 from plexus.cluster.rendezvous import store_barrier, store_get_json, store_set_json, wait_keys
 from plexus.cluster.traffic import Traffic
-from plexus.config import JobConfig
+from plexus.config import ASYNCHRONOUS_SCHEDULES, JobConfig
 from plexus.errors import ConfigError
 from plexus.parallel.partition import ModelGraph, PartitionPlan, Transfer, plan_partitions, trace_model
-from plexus.parallel.schedules import make_schedule, simulate
+from plexus.parallel.schedules import Op, make_schedule, simulate
 from plexus.parallel.stages import StageProgram, StageStep, build_stages, merge_state_dicts
+from plexus.parallel.stash import WeightStash
 from plexus.parallel.tensor import TensorPlan, merge_tensor_states, predict_traffic
 
 __all__ = ["StageExecutor", "gather_state", "stage_examples", "make_plan", "peak_bytes", "price_plan", "shared_plan",
@@ -309,8 +318,19 @@ class StageExecutor:
         # --microbatches M > 1: a pipeline, each step the M micro-batches' forwards and
         # backwards in the order ``schedule.ops(stage)`` gives (parallel/schedules.py).
         self.microbatches = cfg.parallel.microbatches
+        # An asynchronous schedule (pipedream) lists the whole run, so it is made once the
+        # run's steps are known (``feed``); a synchronous one lists one step.
+        self.asynchronous = cfg.parallel.schedule in ASYNCHRONOUS_SCHEDULES
         self.schedule = make_schedule(cfg.parallel.schedule, plan.stages, self.microbatches) \
-            if self.microbatches > 1 else None
+            if self.microbatches > 1 and not self.asynchronous else None
+        self.weight_stashing, self.vertical_sync = cfg.parallel.weight_stashing, cfg.parallel.vertical_sync
+        self._batch_at: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._pending: deque[tuple[int, Op]] = deque()  # the run's ops not yet run, with their positions
+        self._last_use: dict[int, int] = {}  # weight version -> position of the last op computing with it
+        self._stash: WeightStash | None = None
+        self._live: dict[int, _Microbatch] = {}  # an asynchronous pipeline's inputs in flight, across steps
+        self._fetched: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # the last mini-batch read
+        self.steps_done = 0  # optimizer steps this stage's synchroniser applied: the weights' version
         self.in_flight = 0  # the most micro-batches whose activations this stage held at once
         self.peak_activation_bytes = 0  # the most bytes of them, at once
         # --recompute: a micro-batch's forward keeps only its inputs; its backward runs it again.
@@ -422,6 +442,8 @@ class StageExecutor:
         p = self.program
         self._marks.setdefault("start", time.time())
         self._marks["forward"] = time.time()
+        if self.asynchronous:
+            return self._asynchronous_loss(model)
         if self.schedule is not None:
             return self._pipelined_loss(model, x, y)
         received = self._receive_values(self.batch, 0)
@@ -470,13 +492,16 @@ class StageExecutor:
         self._waits.append((start, self._marks["backward"]))
 
     def _forward(self, model: torch.nn.Module, received: dict[str, torch.Tensor], x: torch.Tensor | None,
-                 y: torch.Tensor | None, grad: bool) -> "_Microbatch":
+                 y: torch.Tensor | None, grad: bool, weights: dict[str, torch.Tensor] | None = None
+                 ) -> "_Microbatch":
         """One micro-batch's forward (and loss, weighted 1/M, on the output stage), and
         the bytes of activations it leaves for its backward: what autograd saved, apart
-        from the parameters (``grad``), or, recomputing, only its inputs."""
+        from the parameters (``grad``), or, recomputing, only its inputs. ``weights``:
+        parameters to run ``model`` with instead of its own (a stashed version)."""
         p = self.program
         runner = StageStep(p)
-        params = {q.data_ptr() for q in model.parameters()}
+        params = {q.data_ptr() for q in (model.parameters() if weights is None else weights.values())}
+        module = model if weights is None else (lambda *args: functional_call(model, weights, args))
         saved: dict[int, int] = {}
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -485,7 +510,7 @@ class StageExecutor:
             return tensor
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), torch.set_grad_enabled(grad):
-            values = runner.forward(received, {name: x for name in p.model_inputs}, module=model)
+            values = runner.forward(received, {name: x for name in p.model_inputs}, module=module)
             loss = self.criterion(values[p.output], y) / self.microbatches if p.output is not None else None
         held = sum(saved.values()) if grad else \
             sum(v.numel() * v.element_size() for v in (*received.values(), *([x] if p.model_inputs else [])))
@@ -579,6 +604,107 @@ class StageExecutor:
                 acc.add_(g)
         return list(got[len(params):])
 
+    def feed(self, batch_at: Callable[[int], tuple[torch.Tensor, torch.Tensor]], steps: int) -> None:
+        """Where an asynchronous pipeline reads its inputs, and how long the run is:
+        ``batch_at(t)`` is this replica's batch (x, y) of step t, and the run makes
+        ``steps`` steps. Step t's ``loss_fn`` runs the stage's ops up to its t-th optimizer
+        step (the op with ``step``), which includes forwards of inputs of later steps:
+        hence the batches by step, not the batch the synchroniser passes. The schedule
+        lists the whole run, so the pipeline fills once and drains once, at the run's end.
+        Nothing to do under a synchronous schedule, whose step holds its micro-batches."""
+        if not self.asynchronous:
+            return
+        cfg = self.cfg.parallel
+        self._batch_at = batch_at
+        self.schedule = make_schedule(cfg.schedule, self.plan.stages, self.microbatches,
+                                      vertical_sync=self.vertical_sync, minibatches=steps)
+        ops = self.schedule.ops(self.k)
+        self._pending = deque(enumerate(ops))
+        self._last_use = {op.version: i for i, op in enumerate(ops)}
+
+    def _input(self, m: int, batch: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Input ``m`` of an asynchronous pipeline, micro-batch m mod M of mini-batch m div
+        M (each step's batch is one mini-batch), on the stages that read the data."""
+        p = self.program
+        if not p.model_inputs and p.output is None:
+            return None, None
+        g, j = divmod(m, self.microbatches)
+        if self._fetched is None or self._fetched[0] != g:
+            self._fetched = (g, self._batch_at(g))
+        x, y = self._fetched[1]
+        return x[j * batch:(j + 1) * batch], y[j * batch:(j + 1) * batch]
+
+    def _asynchronous_loss(self, model: torch.nn.Module) -> torch.Tensor:
+        """One step of an asynchronous pipeline (pipedream): the stage's ops from where
+        the last step stopped up to the next that steps the optimizer, each forward with
+        the weight version its op names and each backward differentiating that same
+        version (``WeightStash``; the newest weights under --no-weight-stashing). Inputs
+        stay in flight across steps, the pipeline never flushes. The gradients are
+        deposited into the live parameters by the returned loss's backward
+        (``_Deposit``), as in a synchronous step, and the synchroniser steps: this
+        stage's version ``steps_done`` + 1. The loss is that of the inputs whose backward
+        ran (the output stage runs an input's forward and backward in one step)."""
+        if self._batch_at is None:
+            raise RuntimeError(f"stage {self.k}: --schedule {self.cfg.parallel.schedule} reads future batches; "
+                               f"call feed(batch_at, steps) before the first step")
+        p = self.program
+        batch = self.batch // self.microbatches
+        # Tags repeat every few inputs: fewer than 2K are ever in flight on a link.
+        window = 4 * self.plan.stages
+        if self._stash is None or self._stash.module is not model:
+            self._stash = WeightStash(model, self._last_use)
+        stash = self._stash
+        stash.keep(self.steps_done)
+        params = stash.live
+        grads = [torch.zeros_like(q) for q in params]
+        total = torch.zeros((), device=self.device)
+        start, waited = time.time(), len(self._waits)
+        while self._pending:
+            i, op = self._pending.popleft()
+            m, tag = op.microbatch, op.microbatch % window
+            if op.kind == "F":
+                x, y = self._input(m, batch)
+                received = self._receive_values(batch, tag)
+                began = time.time()
+                mb = self._forward(model, received, x, y, grad=True, weights=stash.weights(op.version))
+                self._ops.append(("forward", began, time.time()))
+                for t in p.sends:
+                    self._send(t.dst, self._tag(t, tag, False), mb.values[t.producer])
+                self._live[m] = mb
+                self.in_flight = max(self.in_flight, len(self._live))
+                self.peak_activation_bytes = max(self.peak_activation_bytes,
+                                                 sum(b.held for b in self._live.values()))
+            else:
+                mb = self._live.pop(m)
+                wanted = self._receive_value_gradients(mb.values, tag)
+                began = time.time()
+                tensors, seeds = ([mb.loss], [torch.ones_like(mb.loss)]) if mb.loss is not None else ([], [])
+                for t, buf in wanted:
+                    tensors.append(mb.values[t.producer])
+                    seeds.append(buf)
+                leaves = [(t, leaf) for t, leaf in mb.runner.leaves if t.grad]
+                got, back = stash.gradients(op.version, tensors, seeds, [leaf for _, leaf in leaves],
+                                            stashing=self.weight_stashing)
+                for acc, g in zip(grads, got):
+                    if g is not None:
+                        acc.add_(g)
+                if mb.loss is not None:
+                    total = total + mb.loss.detach()
+                self._ops.append(("backward", began, time.time()))
+                for (t, leaf), g in zip(leaves, back):
+                    self._send(t.src, self._tag(t, tag, True), g if g is not None else torch.zeros_like(leaf))
+            stash.ran(i)
+            if op.step:
+                break
+        self.steps_done += 1
+        self._finish_sends()
+        self.pipeline_s += self._marks["backward"] - start
+        for kind, a, b in self._ops:
+            self.op_seconds[kind][0] += b - a
+            self.op_seconds[kind][1] += 1
+        self.pipeline_idle_s += sum(b - a for a, b in self._waits[waited:])
+        return _Deposit.apply(grads, total, *params)
+
     def _receive_gradients(self) -> list[torch.Tensor]:
         """The gradients of the values this stage sent, summed over the stages each went to."""
         summed: dict[str, torch.Tensor] = {}
@@ -651,6 +777,10 @@ class StageExecutor:
                         "predicted_bubble": self.schedule.predicted_bubble(),
                         **{f"{kind}_op_seconds": total / count if count else None
                            for kind, (total, count) in self.op_seconds.items()}}
+            if self.asynchronous:  # the run's mini-batches the lists cover, and the weight versions kept
+                pipeline.update(minibatches=self.schedule.inputs // self.microbatches,
+                                weight_stashing=self.weight_stashing, vertical_sync=self.vertical_sync,
+                                weight_versions=self._stash.peak if self._stash is not None else 0)
         return {"stage": self.k, "replica": self.replica, "shard": self.shard, "steps": steps, **tensor, **pipeline,
                 "nodes": list(self.plan.partitions[self.k].compute), "compute_seconds": self.compute_s,
                 "idle_seconds": self.idle_s, "sync_seconds": self.sync_s,
@@ -759,7 +889,7 @@ def stage_summary(records: dict[int, dict[str, Any]]) -> dict[str, Any]:
             "tensor_layers", "tensor_messages_sent", "tensor_bytes_sent", "tensor_messages_recv", "tensor_bytes_recv",
             "predicted_tensor_messages", "predicted_tensor_bytes", "max_in_flight", "peak_activation_bytes",
             "pipeline_seconds", "pipeline_idle_seconds", "bubble", "forward_op_seconds", "backward_op_seconds",
-            "weight_op_seconds")
+            "weight_op_seconds", "weight_versions")
     ordered = sorted(records.values(), key=lambda r: (r.get("replica", 0), r["stage"], r.get("shard", 0)))
     stages = [{key: rec[key] for key in keys if key in rec} for rec in ordered]
     out = {"stages": stages, "stage_traffic": rows, "traffic_matches_plan": ok and bool(records)}
@@ -775,7 +905,9 @@ def stage_summary(records: dict[int, dict[str, Any]]) -> dict[str, Any]:
         # with transfers and the time between ops left out.
         lane = sorted((rec for rec in piped if rec.get("replica", 0) == 0 and rec.get("shard", 0) == 0),
                       key=lambda rec: rec["stage"])
-        schedule = make_schedule(lane[0]["schedule"], len(lane), lane[0]["microbatches"])
+        schedule = make_schedule(lane[0]["schedule"], len(lane), lane[0]["microbatches"],
+                                 vertical_sync=lane[0].get("vertical_sync", False),
+                                 minibatches=lane[0].get("minibatches"))
         # Under zb-h1 backward_op_seconds is B's and weight_op_seconds W's.
         weights = [rec["weight_op_seconds"] for rec in lane] if schedule.splits_backward else None
         simulated = simulate(schedule, [rec["forward_op_seconds"] for rec in lane],
@@ -789,6 +921,9 @@ def stage_summary(records: dict[int, dict[str, Any]]) -> dict[str, Any]:
                            "max_in_flight": max(rec["max_in_flight"] for rec in piped),
                            "peak_activation_bytes": max(rec["peak_activation_bytes"] for rec in piped),
                            "recompute": piped[0]["recompute"]}
+        if "weight_stashing" in piped[0]:
+            out["pipeline"].update({key: piped[0][key] for key in ("weight_stashing", "vertical_sync", "minibatches")},
+                                   weight_versions=max(rec["weight_versions"] for rec in piped))
     replicas = {rec.get("replica", 0) for rec in records.values()}
     if len(replicas) > 1:
         out["replicas"] = len(replicas)

@@ -437,8 +437,11 @@ _CLASSES: dict[str, type[Schedule]] = {"gpipe": GPipe, "1f1b": OneFOneB, "interl
                                        "zb-h1": ZeroBubbleH1, "pipedream": PipeDream, "pipedream-2bw": PipeDream2BW}
 
 
-def make_schedule(name: str, stages: int, microbatches: int, chunks: int = 1, vertical_sync: bool = False) -> Schedule:
-    """The schedule ``--schedule name`` names; ConfigError (one line) on bad input."""
+def make_schedule(name: str, stages: int, microbatches: int, chunks: int = 1, vertical_sync: bool = False,
+                  minibatches: int | None = None) -> Schedule:
+    """The schedule ``--schedule name`` names; ConfigError (one line) on bad input.
+    ``minibatches``: the mini-batches an asynchronous schedule's lists cover (a run's
+    steps); pipedream's inputs are then ``microbatches`` x ``minibatches``."""
     if name not in _CLASSES:
         raise ConfigError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {name!r}")
     if vertical_sync and name != "pipedream":
@@ -446,5 +449,8 @@ def make_schedule(name: str, stages: int, microbatches: int, chunks: int = 1, ve
     if name == "interleaved":
         return Interleaved(stages=stages, microbatches=microbatches, chunks=chunks)
     if name == "pipedream":
-        return PipeDream(stages=stages, microbatches=microbatches, chunks=chunks, vertical_sync=vertical_sync)
+        return PipeDream(stages=stages, microbatches=microbatches * (minibatches or 1), chunks=chunks,
+                         vertical_sync=vertical_sync)
+    if name == "pipedream-2bw" and minibatches is not None:
+        return PipeDream2BW(stages=stages, microbatches=microbatches, chunks=chunks, minibatches=minibatches)
     return _CLASSES[name](stages=stages, microbatches=microbatches, chunks=chunks)

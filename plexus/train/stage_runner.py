@@ -120,6 +120,12 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
     else:
         batches = PartitionBatches(len(data.x_train), share, cfg.run.seed, r, replicas)
     limit = total_steps(cfg, batches.steps_per_epoch)
+
+    def batch_at(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = batches.worker_indices(step, r, replicas) if synchronous else batches.indices(step)
+        return data.x_train[idx].to(device), data.y_train[idx].to(device)
+
+    own.feed(batch_at, limit)  # an asynchronous pipeline (pipedream) reads batches ahead of its steps
     classes = data.num_classes if data.task == "classification" else None
     evaluator = whole = None
     if lead:
@@ -148,8 +154,7 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
         loss = float("nan")
         steps_done = 0
         for step in range(limit):
-            idx = batches.worker_indices(step, r, replicas) if synchronous else batches.indices(step)
-            x, y = data.x_train[idx].to(device), data.y_train[idx].to(device)
+            x, y = batch_at(step)
             own.begin_step()
             if strategy is not None:
                 out = strategy.step(x, y).loss
