@@ -52,7 +52,7 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.func import functional_call
@@ -325,10 +325,11 @@ class StageExecutor:
             if self.microbatches > 1 and not self.asynchronous else None
         self.weight_stashing, self.vertical_sync = cfg.parallel.weight_stashing, cfg.parallel.vertical_sync
         self._batch_at: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None
-        self._pending: deque[tuple[int, Op]] = deque()  # the run's ops not yet run, with their positions
-        self._last_use: dict[int, int] = {}  # weight version -> position of the last op computing with it
+        self._coming: Iterator[Op] = iter(())  # the run's ops not yet made (Schedule.iter_ops)
+        self._ahead: deque[Op] = deque()  # ops made but not yet run: a look ahead for the next forward
         self._stash: WeightStash | None = None
         self._live: dict[int, _Microbatch] = {}  # an asynchronous pipeline's inputs in flight, across steps
+        self._versions: dict[int, int] = {}  # their weight versions
         self._fetched: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # the last mini-batch read
         self.steps_done = 0  # optimizer steps this stage's synchroniser applied: the weights' version
         self.in_flight = 0  # the most micro-batches whose activations this stage held at once
@@ -618,9 +619,22 @@ class StageExecutor:
         self._batch_at = batch_at
         self.schedule = make_schedule(cfg.schedule, self.plan.stages, self.microbatches,
                                       vertical_sync=self.vertical_sync, minibatches=steps)
-        ops = self.schedule.ops(self.k)
-        self._pending = deque(enumerate(ops))
-        self._last_use = {op.version: i for i, op in enumerate(ops)}
+        self._coming, self._ahead = self.schedule.iter_ops(self.k), deque()
+
+    def _next_op(self) -> Op | None:
+        """The next op of an asynchronous pipeline's run; None once the run is done."""
+        return self._ahead.popleft() if self._ahead else next(self._coming, None)
+
+    def _next_forward_version(self) -> int | None:
+        """The weight version the next forward asks for; None when no forward is left."""
+        for op in self._ahead:
+            if op.kind == "F":
+                return op.version
+        for op in self._coming:
+            self._ahead.append(op)
+            if op.kind == "F":
+                return op.version
+        return None
 
     def _input(self, m: int, batch: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Input ``m`` of an asynchronous pipeline, micro-batch m mod M of mini-batch m div
@@ -652,15 +666,16 @@ class StageExecutor:
         # Tags repeat every few inputs: fewer than 2K are ever in flight on a link.
         window = 4 * self.plan.stages
         if self._stash is None or self._stash.module is not model:
-            self._stash = WeightStash(model, self._last_use)
+            self._stash = WeightStash(model)
         stash = self._stash
-        stash.keep(self.steps_done)
+        coming = self._next_forward_version()
+        if coming is not None and coming <= self.steps_done:  # a forward will run on these weights
+            stash.keep(self.steps_done)
         params = stash.live
         grads = [torch.zeros_like(q) for q in params]
         total = torch.zeros((), device=self.device)
         start, waited = time.time(), len(self._waits)
-        while self._pending:
-            i, op = self._pending.popleft()
+        while (op := self._next_op()) is not None:
             m, tag = op.microbatch, op.microbatch % window
             if op.kind == "F":
                 x, y = self._input(m, batch)
@@ -670,12 +685,13 @@ class StageExecutor:
                 self._ops.append(("forward", began, time.time()))
                 for t in p.sends:
                     self._send(t.dst, self._tag(t, tag, False), mb.values[t.producer])
-                self._live[m] = mb
+                self._live[m], self._versions[m] = mb, op.version
                 self.in_flight = max(self.in_flight, len(self._live))
                 self.peak_activation_bytes = max(self.peak_activation_bytes,
                                                  sum(b.held for b in self._live.values()))
             else:
                 mb = self._live.pop(m)
+                del self._versions[m]
                 wanted = self._receive_value_gradients(mb.values, tag)
                 began = time.time()
                 tensors, seeds = ([mb.loss], [torch.ones_like(mb.loss)]) if mb.loss is not None else ([], [])
@@ -693,7 +709,7 @@ class StageExecutor:
                 self._ops.append(("backward", began, time.time()))
                 for (t, leaf), g in zip(leaves, back):
                     self._send(t.src, self._tag(t, tag, True), g if g is not None else torch.zeros_like(leaf))
-            stash.ran(i)
+            stash.drop(set(self._versions.values()), self._next_forward_version())
             if op.step:
                 break
         self.steps_done += 1
@@ -777,8 +793,10 @@ class StageExecutor:
                         "predicted_bubble": self.schedule.predicted_bubble(),
                         **{f"{kind}_op_seconds": total / count if count else None
                            for kind, (total, count) in self.op_seconds.items()}}
-            if self.asynchronous:  # the run's mini-batches the lists cover, and the weight versions kept
-                pipeline.update(minibatches=self.schedule.inputs // self.microbatches,
+            if self.asynchronous:  # the run's mini-batches (--time-limit: those made) and the versions kept
+                made = make_schedule(self.cfg.parallel.schedule, self.plan.stages, self.microbatches,
+                                     vertical_sync=self.vertical_sync, minibatches=max(1, steps))
+                pipeline.update(minibatches=max(1, steps), predicted_bubble=made.predicted_bubble(),
                                 weight_stashing=self.weight_stashing, vertical_sync=self.vertical_sync,
                                 weight_versions=self._stash.peak if self._stash is not None else 0)
         return {"stage": self.k, "replica": self.replica, "shard": self.shard, "steps": steps, **tensor, **pipeline,

@@ -32,7 +32,7 @@ whether the stage steps after it, so the executor never derives either.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Iterator, Literal, Sequence
 
 from plexus.errors import ConfigError, PlexusError
 
@@ -104,6 +104,12 @@ class Schedule:
 
     def _ops(self, stage: int) -> list[Op]:
         raise NotImplementedError
+
+    def iter_ops(self, stage: int) -> Iterator[Op]:
+        """``ops(stage)`` one at a time. The asynchronous schedules make each op as it is
+        asked for: their lists cover a training run, which under --time-limit is as long
+        as the time allows (2**62 steps, runner.total_steps), too long to hold."""
+        return iter(self.ops(stage))
 
     def predicted_bubble(self) -> float:
         """Closed-form idle share of a stage's time over the op lists (equal op costs)."""
@@ -179,11 +185,25 @@ def _replace(op: Op, **changes: object) -> Op:
 def _one_f_one_b(stages: int, stage: int, inputs: int) -> list[Op]:
     """K-s-1 forwards to fill the pipeline, then one forward and one backward in turn, then
     the backwards left: stage s never holds more than K-s micro-batches."""
+    return list(_one_f_one_b_lazily(stages, stage, inputs))
+
+
+def _one_f_one_b_lazily(stages: int, stage: int, inputs: int) -> Iterator[Op]:
+    """``_one_f_one_b``'s ops, one at a time."""
     warmup = min(stages - stage - 1, inputs)
-    ops = [Op("F", m) for m in range(warmup)]
+    for m in range(warmup):
+        yield Op("F", m)
     for m in range(inputs - warmup):
-        ops += [Op("F", m + warmup), Op("B", m)]
-    return ops + [Op("B", m) for m in range(inputs - warmup, inputs)]
+        yield Op("F", m + warmup)
+        yield Op("B", m)
+    for m in range(inputs - warmup, inputs):
+        yield Op("B", m)
+
+
+def _checked(schedule: "Schedule", stage: int) -> int:
+    if not 0 <= stage < schedule.stages:
+        raise ValueError(f"stage must lie in [0, {schedule.stages}), got {stage}")
+    return stage
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -308,9 +328,12 @@ class PipeDream(Schedule):
     vertical_sync: bool = False
 
     def _ops(self, stage: int) -> list[Op]:
-        lag = self.stages - 1 - (0 if self.vertical_sync else stage)
-        return [Op(op.kind, op.microbatch, version=max(0, op.microbatch - lag), step=op.kind == "B")
-                for op in _one_f_one_b(self.stages, stage, self.microbatches)]
+        return list(self.iter_ops(stage))
+
+    def iter_ops(self, stage: int) -> Iterator[Op]:
+        lag = self.stages - 1 - (0 if self.vertical_sync else _checked(self, stage))
+        return (Op(op.kind, op.microbatch, version=max(0, op.microbatch - lag), step=op.kind == "B")
+                for op in _one_f_one_b_lazily(self.stages, stage, self.microbatches))
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -343,10 +366,13 @@ class PipeDream2BW(Schedule):
         return self.microbatches * self.minibatches
 
     def _ops(self, stage: int) -> list[Op]:
+        return list(self.iter_ops(stage))
+
+    def iter_ops(self, stage: int) -> Iterator[Op]:
         m = self.microbatches
-        return [Op(op.kind, op.microbatch, version=max(0, op.microbatch // m - 1),
+        return (Op(op.kind, op.microbatch, version=max(0, op.microbatch // m - 1),
                    step=op.kind == "B" and op.microbatch % m == m - 1)
-                for op in _one_f_one_b(self.stages, stage, self.inputs)]
+                for op in _one_f_one_b_lazily(self.stages, _checked(self, stage), self.inputs))
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,9 @@ now, at the activations of then, as PipeDream without stashing does. The write g
 through ``.data``: autograd would otherwise refuse a tensor it saved that changed since.
 
 Which version an op uses is the schedule's (``Op.version``); the stash only holds the
-copies, each from the start of the step whose weights it is until the last op that asks
-for it.
+copies, each from the start of the step whose weights it is until no input in flight and
+no later forward asks for it (the schedules' forwards ask for versions that never
+decrease, so a version older than the next forward's and held by no input is done).
 """
 from __future__ import annotations
 
@@ -31,16 +32,11 @@ __all__ = ["WeightStash"]
 
 
 class WeightStash:
-    """Copies of ``module``'s trainable parameters by version (optimizer steps applied).
+    """Copies of ``module``'s trainable parameters by version (optimizer steps applied)."""
 
-    ``last_use`` maps each version some op will compute with to the position, in the
-    stage's op list, of the last such op; a copy is dropped once that op has run.
-    """
-
-    def __init__(self, module: torch.nn.Module, last_use: dict[int, int]) -> None:
+    def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
         self.names = [name for name, p in module.named_parameters() if p.requires_grad]
-        self.last_use = dict(last_use)
         self.copies: dict[int, list[torch.Tensor]] = {}
         self.peak = 0  # the most copies held at once
 
@@ -52,9 +48,9 @@ class WeightStash:
 
     def keep(self, version: int) -> None:
         """Copy the live weights as ``version`` (call when exactly ``version`` steps are
-        applied), if an op will ask for it; a copy that needs a gradient, a leaf of each
-        graph built on it."""
-        if version in self.last_use and version not in self.copies:
+        applied and a forward may still ask for it); a copy that needs a gradient, a leaf
+        of each graph built on it."""
+        if version not in self.copies:
             self.copies[version] = [p.detach().clone().requires_grad_(True) for p in self.live]
             self.peak = max(self.peak, len(self.copies))
 
@@ -85,7 +81,8 @@ class WeightStash:
         got = torch.autograd.grad(list(tensors), inputs, list(seeds), allow_unused=True)
         return list(got[:len(copy)]), list(got[len(copy):])
 
-    def ran(self, position: int) -> None:
-        """The op at ``position`` has run: drop the copies no later op asks for."""
-        for version in [v for v in self.copies if self.last_use[v] <= position]:
+    def drop(self, held: set[int], next_forward: int | None) -> None:
+        """Drop the copies no input in flight holds (``held``) and older than the version
+        the next forward asks for (``next_forward``; None: no forward is left)."""
+        for version in [v for v in self.copies if v not in held and (next_forward is None or v < next_forward)]:
             del self.copies[version]
