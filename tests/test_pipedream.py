@@ -1,10 +1,13 @@
-"""plexus train --stages K --schedule pipedream: the asynchronous pipeline with weight
-stashing (parallel/executor.py ``_asynchronous_loss``, parallel/stash.py).
+"""plexus train --stages K --schedule pipedream | pipedream-2bw: the asynchronous
+pipelines with weight stashing (parallel/executor.py ``_asynchronous_loss``,
+parallel/stash.py).
 
-PipeDream equals no one-process run of plain SGD, so its oracle is its own update rule
+Neither equals a one-process run of plain SGD, so the oracle is each one's update rule
 computed in one process on the whole model: step t applies, on each stage s, the gradient
-of input t's loss taken with every stage's weights at the version its forward used (t-(K-1-s)
-steps, or t-(K-1) everywhere under --vertical-sync), with the stage's optimizer. The
+of mini-batch t's loss taken with every stage's weights at the version its forward used,
+with the stage's optimizer. PipeDream: version t-(K-1-s), or t-(K-1) everywhere under
+--vertical-sync; 2BW: t-1 everywhere (Narayanan et al. 2021's W(t+1) = W(t) - lr
+grad f(W(t-1))), the gradient accumulated over M micro-batches. The
 stashed weights also give the unit-level check: a backward differentiates the weights its
 forward ran on, not the ones stepped since, and the two gradients differ."""
 from __future__ import annotations
@@ -64,12 +67,19 @@ def test_a_stashed_backward_differentiates_the_forwards_weights():
     assert (results[False][0] - want_old[0]).norm() > 0.1 * want_old[0].norm()
 
 
-def _reference(tmp_path, steps: int, stages: int, vertical_sync: bool = False, **flat) -> dict[str, torch.Tensor]:
-    """PipeDream's update rule in one process (see the module docstring), on the whole
-    model: each parameter takes, at step t, the version of its stage that input t's
-    forward used."""
-    cfg = JobConfig.from_flat({**BASE, **flat, "steps": steps, "stages": stages, "schedule": "pipedream",
-                               "out": str(tmp_path / "reference")})
+def _reference(tmp_path, steps: int, stages: int, vertical_sync: bool = False, schedule: str = "pipedream",
+               **flat) -> dict[str, torch.Tensor]:
+    """The update rule of ``schedule`` in one process (see the module docstring), on the
+    whole model: each parameter takes, at step t, the version of its stage that
+    mini-batch t's forward used."""
+    cfg = JobConfig.from_flat({**BASE, **flat, "steps": steps, "stages": stages, "schedule": schedule,
+                               "vertical_sync": vertical_sync, "out": str(tmp_path / "reference")})
+
+    def version(t: int, s: int) -> int:
+        if schedule == "pipedream-2bw":
+            return max(0, t - 1)
+        return max(0, t - (stages - 1 if vertical_sync else stages - 1 - s))
+
     data = load_dataset(cfg.data, cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
     model = build_model(cfg.model, data)
@@ -85,8 +95,7 @@ def _reference(tmp_path, steps: int, stages: int, vertical_sync: bool = False, *
     batches = GlobalBatches(len(data.x_train), cfg.run.batch_size, cfg.run.seed)
     for t in range(steps):
         idx = batches.worker_indices(t, 0, 1)
-        weights = {name: history[max(0, t - (stages - 1 if vertical_sync else stages - 1 - s))][name]
-                   .clone().requires_grad_(True) for name, s in stage_of.items()}
+        weights = {name: history[version(t, s)][name].clone().requires_grad_(True) for name, s in stage_of.items()}
         loss = F.cross_entropy(torch.func.functional_call(model, weights, (data.x_train[idx],)), data.y_train[idx])
         for p, g in zip(params.values(), torch.autograd.grad(loss, list(weights.values()))):
             p.grad = g
@@ -118,6 +127,24 @@ def test_pipedream_applies_its_update_rule(stages, vertical_sync, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parallel
+@pytest.mark.parametrize("stages, microbatches", [(2, 2), (3, 4), (4, 4)])
+def test_pipedream_2bw_applies_its_update_rule(stages, microbatches, tmp_path):
+    """2BW over K stages, M micro-batches a batch, momentum SGD, 20 steps: the model of
+    W(t+1) = W(t) - lr grad f(W(t-1)) computed in one process; two weight versions
+    copied at most, K - k micro-batches held on stage k, one message per micro-batch."""
+    flat = dict(model="deep-mlp", momentum=0.9)
+    summary, got = _train(tmp_path, "pipe", stages=stages, microbatches=microbatches, schedule="pipedream-2bw",
+                          **flat)
+    assert_same_model(got, _reference(tmp_path, BASE["steps"], stages, schedule="pipedream-2bw",
+                                      microbatches=microbatches, **flat))
+    assert summary["pipeline"]["weight_versions"] == 2
+    assert {s["stage"]: s["max_in_flight"] for s in summary["stages"]} == {k: stages - k for k in range(stages)}
+    assert summary["traffic_matches_plan"] is True
+    assert all(row["messages_sent"] == BASE["steps"] * microbatches for row in summary["stage_traffic"])
+
+
+@pytest.mark.slow
+@pytest.mark.parallel
 def test_without_weight_stashing_the_update_is_another(tmp_path):
     """--no-weight-stashing backpropagates with the newest weights: no longer the
     reference's model (by far more than rounding), while stashing is (the test above)."""
@@ -131,7 +158,8 @@ def test_without_weight_stashing_the_update_is_another(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parallel
-def test_pipedream_learns_mnist1d_as_the_synchronous_pipeline_does(tmp_path):
+@pytest.mark.parametrize("schedule", ["pipedream", "pipedream-2bw"])
+def test_pipedream_learns_mnist1d_as_the_synchronous_pipeline_does(schedule, tmp_path):
     """At equal samples (the same steps of the same batches), pipedream's accuracy is at
     least 0.9x that of the 1f1b pipeline over the same stages, at the default lr and
     momentum. 1200 steps: at 600, still early in training, it measured 0.875x (0.537 and
@@ -141,7 +169,8 @@ def test_pipedream_learns_mnist1d_as_the_synchronous_pipeline_does(tmp_path):
     flat = dict(dataset="mnist1d", model="mlp", stages=3, steps=1200, quiet=True, no_report=True, eval_every=0,
                 seed=0)
     sync = run({**flat, "microbatches": 4, "schedule": "1f1b", "out": str(tmp_path / "1f1b")})
-    piped = run({**flat, "schedule": "pipedream", "out": str(tmp_path / "pipedream")})
+    piped = run({**flat, "schedule": schedule, "microbatches": 4 if schedule == "pipedream-2bw" else 1,
+                 "out": str(tmp_path / schedule)})
     assert piped["steps"] == sync["steps"] == 1200
     assert piped["final_test_accuracy"] >= 0.9 * sync["final_test_accuracy"] > 0.3
 
@@ -157,6 +186,10 @@ def test_pipedream_learns_mnist1d_as_the_synchronous_pipeline_does(tmp_path):
     (["--stages", "2", "--microbatches", "4", "--no-weight-stashing"], ("weight_stashing can be turned off only",)),
     (["--stages", "2", "--schedule", "pipedream", "--no-weight-stashing", "--vertical-sync"],
      ("vertical_sync keeps old weight versions",)),
+    (["--stages", "4", "--schedule", "pipedream-2bw", "--microbatches", "2"],
+     ("microbatches must be at least --stages K (4) under --schedule pipedream-2bw", "--microbatches 4")),
+    (["--stages", "2", "--schedule", "pipedream-2bw", "--microbatches", "2", "--workers", "2"],
+     ("--schedule pipedream-2bw with 2 replicas needs an asynchronous strategy",)),
 ])
 def test_bad_pipedream_input_is_one_line_and_status_2(args, needles, capsys, tmp_path):
     from plexus.cli import main

@@ -99,7 +99,7 @@ def parse_size(text: str) -> int:
 # How plexus.parallel.partition chooses a cut (its METHODS; tested equal).
 PARTITION_METHODS = ("uniform", "params", "time", "manual")
 # The pipeline schedules the stage executor runs (plexus/parallel/schedules.py).
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "pipedream")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "pipedream", "pipedream-2bw")
 # Those that never flush: the stages step on their own after each mini-batch's backward,
 # with the weight versions the schedule's ops carry (each step one mini-batch).
 ASYNCHRONOUS_SCHEDULES = ("pipedream", "pipedream-2bw")
@@ -135,7 +135,10 @@ class ParallelConfig:
     # into the input gradient, sent at once, and the weight gradient, run later in the
     # holes where 1f1b waits; Qi et al. 2023). pipedream is asynchronous: 1f1b that never
     # flushes, each step's batch one mini-batch in flight and each stage stepping after
-    # its backward, with weight stashing (Harlap et al. 2018).
+    # its backward, with weight stashing (Harlap et al. 2018). pipedream-2bw: the same
+    # without a flush, but each batch M micro-batches with one step after the last
+    # backward, every stage computing with the weights of one step before (two versions,
+    # Narayanan et al. 2021); needs M >= K.
     schedule: str = "1f1b"
     # A pipeline's micro-batch keeps only its inputs between its forward and its backward,
     # which runs the forward again (activation recomputation: compute for memory).
@@ -164,6 +167,11 @@ class ParallelConfig:
         _require(self.schedule != "pipedream" or self.microbatches == 1, "microbatches",
                  "must be 1 under --schedule pipedream, whose every batch is one mini-batch in flight (it steps "
                  "after each backward)", self.microbatches, "drop --microbatches")
+        _require(self.schedule != "pipedream-2bw" or self.microbatches >= self.stages, "microbatches",
+                 f"must be at least --stages K ({self.stages}) under --schedule pipedream-2bw, so that each "
+                 f"stage holds two weight versions at most", self.microbatches,
+                 f"pass --microbatches {1 << (self.stages - 1).bit_length()} (at least K, dividing each "
+                 f"replica's batch)")
         _require(not self.recompute or not asynchronous, "recompute", "applies to the synchronous schedules",
                  self.recompute, "drop --recompute")
         _require(not self.vertical_sync or self.schedule == "pipedream", "vertical_sync",

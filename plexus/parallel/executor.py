@@ -36,10 +36,11 @@ are synchronised stage by stage: ``train/stage_groups.py``.
 
 Pipelines (--microbatches M, --schedule): a synchronous schedule (gpipe, 1f1b, zb-h1)
 runs a step's M micro-batches in its order and leaves the whole batch's gradient for
-the synchroniser (``_pipelined_loss``); pipedream is asynchronous (``_asynchronous_loss``):
-its op list covers the whole run, each synchroniser step runs the ops up to the next
-optimizer step, inputs stay in flight across steps, and each forward and its backward
-use one stashed weight version (``stash.WeightStash``).
+the synchroniser (``_pipelined_loss``); pipedream and pipedream-2bw are asynchronous
+(``_asynchronous_loss``): the op list covers the whole run, each synchroniser step runs
+the ops up to the next optimizer step (pipedream: one input's backward; 2bw: a batch's M
+micro-batches' last), inputs stay in flight across steps, and each forward and its
+backward use one stashed weight version (``stash.WeightStash``).
 
 Not yet: checkpoints, torchrun, --kill and --slow of a stage.
 """

@@ -84,7 +84,7 @@ def check_stages(cfg: JobConfig) -> None:
         sync = f"{s.strategy} {s.consistency}" if s.strategy in ("ps", "tree-ps") else s.strategy
         raise ConfigError(f"--schedule {cfg.parallel.schedule} with {replicas} replicas needs an asynchronous strategy "
                           f"(ps or tree-ps with --consistency asp, ssp or softsync): its gradients are of weights "
-                          f"up to K-1 steps old, which breaks what synchronous {sync} promises across replicas "
+                          f"{'up to K-1 steps' if cfg.parallel.schedule == 'pipedream' else 'one step'} old, which breaks what synchronous {sync} promises across replicas "
                           f"(each step, every replica's gradient of the same weights); pass --strategy ps "
                           f"--consistency asp, or --workers 1")
     if m_count == 1 and not asynchronous and settings["schedule"]["source"] != "default":
