@@ -98,7 +98,7 @@ def test_pipelined_replicas_learn_under_servers_and_local_sgd(flags, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parallel
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 def test_recomputation_trades_activations_for_compute(schedule, one_process, tmp_path):
     """--recompute: a micro-batch keeps only its inputs until its backward runs its forward
     again; the model is the same, and the activations held shrink to the inputs'."""
