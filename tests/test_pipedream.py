@@ -175,6 +175,22 @@ def test_pipedream_learns_mnist1d_as_the_synchronous_pipeline_does(schedule, tmp
     assert piped["final_test_accuracy"] >= 0.9 * sync["final_test_accuracy"] > 0.3
 
 
+@pytest.mark.slow
+@pytest.mark.parallel
+def test_pipedream_replicas_learn_under_ps_asp(tmp_path):
+    """2 replicas of 2 pipedream stages under ps asp, each stage's replicas pushing to the
+    servers of their stage on their own clocks: learns digits as 2 whole-model ps asp
+    workers do, over the same steps."""
+    from plexus.train.job import run
+    defaults = dict(dataset="digits", quiet=True, no_report=True, eval_every=0, workers=2, strategy="ps",
+                    consistency="asp")
+    flat = run({**defaults, "out": str(tmp_path / "flat")})
+    piped = run({**defaults, "stages": 2, "schedule": "pipedream", "out": str(tmp_path / "piped")})
+    assert piped["steps"] == flat["steps"]
+    assert piped["final_test_accuracy"] >= 0.9 * flat["final_test_accuracy"] > 0.5
+    assert piped["replicas"] == 2 and piped["pipeline"]["schedule"] == "pipedream"
+
+
 @pytest.mark.parametrize("args, needles", [
     (["--stages", "2", "--schedule", "pipedream", "--workers", "2"],
      ("--schedule pipedream with 2 replicas needs an asynchronous strategy", "synchronous allreduce")),
