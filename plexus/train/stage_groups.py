@@ -82,11 +82,12 @@ def check_stages(cfg: JobConfig) -> None:
     asynchronous = cfg.parallel.schedule in ASYNCHRONOUS_SCHEDULES
     if asynchronous and replicas > 1 and not is_asynchronous(cfg.to_flat()):
         sync = f"{s.strategy} {s.consistency}" if s.strategy in ("ps", "tree-ps") else s.strategy
+        stale = "up to K-1 steps" if cfg.parallel.schedule == "pipedream" else "one step"
         raise ConfigError(f"--schedule {cfg.parallel.schedule} with {replicas} replicas needs an asynchronous strategy "
                           f"(ps or tree-ps with --consistency asp, ssp or softsync): its gradients are of weights "
-                          f"{'up to K-1 steps' if cfg.parallel.schedule == 'pipedream' else 'one step'} old, which breaks what synchronous {sync} promises across replicas "
-                          f"(each step, every replica's gradient of the same weights); pass --strategy ps "
-                          f"--consistency asp, or --workers 1")
+                          f"{stale} old, which breaks what synchronous {sync} promises across replicas (each "
+                          f"step, every replica's gradient of the same weights); pass --strategy ps --consistency "
+                          f"asp, or --workers 1")
     if m_count == 1 and not asynchronous and settings["schedule"]["source"] != "default":
         raise ConfigError(f"--schedule orders the micro-batches of a pipeline, and there is one: pass --microbatches "
                           f"M (2 or more), or drop --schedule")
