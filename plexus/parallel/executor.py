@@ -66,6 +66,7 @@ from plexus.errors import ConfigError
 from plexus.parallel.partition import ModelGraph, PartitionPlan, Transfer, plan_partitions, trace_model
 from plexus.parallel.schedules import Op, make_schedule, simulate
 from plexus.parallel.stages import StageProgram, StageStep, build_stages, merge_state_dicts
+from plexus.parallel.split_backward import SplitBackward
 from plexus.parallel.stash import WeightStash
 from plexus.parallel.tensor import TensorPlan, merge_tensor_states, predict_traffic
 
@@ -285,8 +286,8 @@ class _Microbatch:
     x: torch.Tensor | None
     y: torch.Tensor | None
     held: int  # bytes of activations kept for its backward
-    # zb-h1: the (tensors, seeds) B differentiated, kept with the graph for W.
-    seeds: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+    # zb-h1: the backward B ran, its graph and the gradients W restarts from kept.
+    split: SplitBackward | None = None
 
 
 class StageExecutor:
@@ -527,12 +528,10 @@ class StageExecutor:
         each micro-batch's loss weighted 1/M, so that the step's gradient is the whole
         batch's mean loss's, as in one process.
 
-        Under zb-h1 (``splits_backward``) B differentiates only the received values, sends
-        their gradients back at once and keeps the graph; W, later, differentiates the
-        parameters over the same graph and frees it. W walks the graph from the stage's
-        outputs again, so its cost is a whole backward's minus the input gradients' last
-        layer, not the weight half alone: a real split (Qi et al. 2023) keeps B's
-        intermediate gradients for W, which torch.autograd.grad does not expose."""
+        Under zb-h1 (``splits_backward``) B differentiates only the received values and
+        sends their gradients back at once; W, later, takes the parameters' gradients from
+        where B left them (``SplitBackward``: only the weight products, unless the graph
+        cannot be split, where W is a whole backward again)."""
         p, m_count = self.program, self.microbatches
         split = self.schedule.splits_backward
         batch = self.batch // m_count
@@ -561,7 +560,9 @@ class StageExecutor:
             if op.kind == "W":
                 mb = live.pop(m)
                 began = time.time()
-                self._accumulate(grads, params, *mb.seeds)
+                for acc, g in zip(grads, mb.split.weight_gradients()):
+                    if g is not None:
+                        acc.add_(g)
                 self._ops.append(("weight", began, time.time()))
                 continue
             mb = live[m] if split else live.pop(m)
@@ -577,9 +578,8 @@ class StageExecutor:
                 seeds.append(buf)
             leaves = [(t, leaf) for t, leaf in mb.runner.leaves if t.grad]
             if split:  # the input gradient only; the parameters' wait for W
-                mb.seeds = (tensors, seeds)
-                got = torch.autograd.grad(tensors, [leaf for _, leaf in leaves], seeds, retain_graph=True,
-                                          allow_unused=True) if tensors and leaves else []
+                mb.split = SplitBackward(tensors, seeds, [leaf for _, leaf in leaves], params)
+                got = mb.split.input_gradients()
             else:
                 got = self._accumulate(grads, params, tensors, seeds, [leaf for _, leaf in leaves])
             self._ops.append(("backward", began, time.time()))
