@@ -191,6 +191,22 @@ def test_pipedream_replicas_learn_under_ps_asp(tmp_path):
     assert piped["replicas"] == 2 and piped["pipeline"]["schedule"] == "pipedream"
 
 
+@pytest.mark.slow
+@pytest.mark.parallel
+@pytest.mark.parametrize("schedule", ["pipedream", "pipedream-2bw"])
+def test_an_asynchronous_pipeline_stops_on_time_over_sockets(schedule, tmp_path):
+    """--time-limit stops the stages with forward values in flight that no stage will
+    receive; over sockets (gloo, whose send completes once received) waiting for them
+    hung the stages until the link timeout. The schedule's run is 2**62 steps long here,
+    made one op at a time."""
+    from plexus.train.job import run
+    summary = run(dict(dataset="digits", stages=3, schedule=schedule, microbatches=4 if schedule != "pipedream" else 1,
+                       time_limit=2, transport="socket", timeout=20, eval_every=0, quiet=True, no_report=True,
+                       out=str(tmp_path / "run")))
+    assert summary["status"] == "completed" and summary["steps"] > 10
+    assert summary["pipeline"]["minibatches"] == summary["steps"]
+
+
 @pytest.mark.parametrize("args, needles", [
     (["--stages", "2", "--schedule", "pipedream", "--workers", "2"],
      ("--schedule pipedream with 2 replicas needs an asynchronous strategy", "synchronous allreduce")),

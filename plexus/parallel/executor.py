@@ -334,6 +334,9 @@ class StageExecutor:
         self._versions: dict[int, int] = {}  # their weight versions
         self._fetched: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # the last mini-batch read
         self.steps_done = 0  # optimizer steps this stage's synchroniser applied: the weights' version
+        # An asynchronous step's sends of forward values, which the next stage receives in
+        # its next step: waited for at the end of that step, not this one.
+        self._carried: list[Work] = []
         self.in_flight = 0  # the most micro-batches whose activations this stage held at once
         self.peak_activation_bytes = 0  # the most bytes of them, at once
         # --recompute: a micro-batch's forward keeps only its inputs; its backward runs it again.
@@ -676,6 +679,7 @@ class StageExecutor:
         grads = [torch.zeros_like(q) for q in params]
         total = torch.zeros((), device=self.device)
         start, waited = time.time(), len(self._waits)
+        fresh: list[Work] = []  # this step's sends of forward values
         while (op := self._next_op()) is not None:
             m, tag = op.microbatch, op.microbatch % window
             if op.kind == "F":
@@ -684,8 +688,11 @@ class StageExecutor:
                 began = time.time()
                 mb = self._forward(model, received, x, y, grad=True, weights=stash.weights(op.version))
                 self._ops.append(("forward", began, time.time()))
+                sent = len(self._sends)
                 for t in p.sends:
                     self._send(t.dst, self._tag(t, tag, False), mb.values[t.producer])
+                fresh += self._sends[sent:]
+                del self._sends[sent:]
                 self._live[m], self._versions[m] = mb, op.version
                 self.in_flight = max(self.in_flight, len(self._live))
                 self.peak_activation_bytes = max(self.peak_activation_bytes,
@@ -714,6 +721,12 @@ class StageExecutor:
             if op.step:
                 break
         self.steps_done += 1
+        # The last step's forward values have been received by now: the next stage asked
+        # for them before it sent this step's gradients. This step's may not have been, and
+        # on a transport whose send completes only once received (gloo over sockets),
+        # waiting for them would hang a run that stops here (--time-limit).
+        self._sends += self._carried
+        self._carried = fresh
         self._finish_sends()
         self.pipeline_s += self._marks["backward"] - start
         for kind, a, b in self._ops:
