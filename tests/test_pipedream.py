@@ -228,3 +228,13 @@ def test_bad_pipedream_input_is_one_line_and_status_2(args, needles, capsys, tmp
     status = main(["train", "--dataset", "digits", "--out", str(tmp_path / "x"), *args])
     err = capsys.readouterr().err
     assert_usage_error(subprocess.CompletedProcess([], status, "", err), *needles)
+
+
+def test_the_report_names_an_asynchronous_pipelines_mini_batches_and_stashing():
+    from plexus.report.stages import pipeline_line
+    base = {"schedule": "pipedream", "microbatches": 1, "bubble_measured": 0.3, "bubble_predicted": 0.01,
+            "bubble_simulated": 0.1, "max_in_flight": 3, "peak_activation_bytes": 2**20}
+    line = pipeline_line({"pipeline": {**base, "minibatches": 600, "weight_stashing": False, "vertical_sync": True}})
+    assert line.startswith("pipedream over 600 mini-batches, never flushed, weight stashing off, vertical sync:")
+    assert pipeline_line({"pipeline": {**base, "schedule": "1f1b", "microbatches": 4}}).startswith(
+        "1f1b over 4 micro-batches:")
