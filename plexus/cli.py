@@ -128,6 +128,8 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
           help="the order each stage runs its micro-batches' forwards and backwards (default 1f1b); zb-h1 "
                "splits each backward into input and weight gradients; pipedream is asynchronous (no flush, "
                "a step per batch, weight stashing)")
+    _flag(g, "chunks", type=int, metavar="V",
+          help="--schedule interleaved: model chunks per process (at least 2), the model cut into K x V stages")
     _flag(g, "vertical-sync", action="store_const", const=True,
           help="--schedule pipedream: every stage computes an input with the weights stage 0 used for it")
     g.add_argument("--no-weight-stashing", dest="weight_stashing", action="store_const", const=False,

@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from plexus.parallel.schedules import ZeroBubbleH1
+from plexus.parallel.schedules import Interleaved, ZeroBubbleH1
 from test_cli import assert_usage_error
 from test_stages_run import _train, assert_same_model
 
@@ -54,6 +54,32 @@ def test_a_synchronous_pipeline_equals_one_process(schedule, stages, microbatche
         assert all(s["weight_op_seconds"] > 0 for s in summary["stages"])
 
 
+@pytest.mark.slow
+@pytest.mark.parallel
+@pytest.mark.parametrize("stages, microbatches, chunks", [(2, 2, 2), (2, 4, 3), (3, 6, 2), (4, 4, 2), (4, 8, 2),
+                                                         (4, 4, 3)])
+def test_an_interleaved_pipeline_equals_one_process(stages, microbatches, chunks, one_process, tmp_path):
+    """--schedule interleaved --chunks v: the model cut into K x v stages, process s running
+    virtual stages s, K + s, ...; the same model as one process (K = 3 at batch 48, which
+    M = 6 divides, against its own one-process run), each process holding what
+    ``Interleaved.max_in_flight`` counts, one message per micro-batch and cut edge."""
+    batch = dict(batch_size=48) if stages == 3 else {}
+    want = _train(tmp_path, "one", model="deep-mlp", workers=1, **batch)[1] if batch else one_process
+    summary, got = _train(tmp_path, "pipe", model="deep-mlp", stages=stages, microbatches=microbatches,
+                          schedule="interleaved", chunks=chunks, **batch)
+    assert_same_model(got, want)
+    schedule = Interleaved(stages=stages, microbatches=microbatches, chunks=chunks)
+    assert summary["pipeline"]["bubble_predicted"] == pytest.approx(
+        (stages - 1) / (chunks * microbatches + stages - 1))
+    assert {s["stage"]: s["max_in_flight"] for s in summary["stages"]} == \
+        {k: schedule.max_in_flight(k) for k in range(stages)}
+    assert summary["traffic_matches_plan"] is True and len(summary["stages"]) == stages
+    # Each pair of processes carries the cuts between their chunks, one message per micro-batch each.
+    assert all(row["messages_sent"] > 0 and row["messages_sent"] % (STEPS * microbatches) == 0
+               for row in summary["stage_traffic"])
+    assert len({(row["src"], row["dst"]) for row in summary["stage_traffic"]}) >= 2 * (stages - 1)
+
+
 @pytest.mark.parametrize("args, needles", [
     (["--stages", "2", "--microbatches", "3"], ("--microbatches 3 must divide each replica's batch",)),
     (["--stages", "2", "--schedule", "gpipe"], ("--schedule orders the micro-batches of a pipeline",)),
@@ -61,6 +87,14 @@ def test_a_synchronous_pipeline_equals_one_process(schedule, stages, microbatche
     (["--stages", "2", "--recompute"], ("recompute", "applies to pipelines")),
     (["--stages", "2", "--workers", "2", "--batch-size", "36", "--microbatches", "4"],
      ("each replica's batch (18 = --batch-size 36 / 2 replicas)",)),
+    (["--stages", "2", "--microbatches", "4", "--chunks", "2"], ("chunks applies to --schedule interleaved",)),
+    (["--stages", "2", "--microbatches", "4", "--schedule", "interleaved"], ("chunks must be at least 2",)),
+    (["--stages", "3", "--microbatches", "4", "--schedule", "interleaved", "--chunks", "2"],
+     ("must be a multiple of --stages K (3", "--microbatches 6")),
+    (["--stages", "2", "--microbatches", "4", "--schedule", "interleaved", "--chunks", "2", "--tensor-parallel", "2"],
+     ("does not combine with --schedule interleaved",)),
+    (["--stages", "2", "--microbatches", "4", "--schedule", "interleaved", "--chunks", "2", "--partition", "time"],
+     ("must be uniform or params under --schedule interleaved",)),
 ])
 def test_bad_pipeline_input_is_one_line_and_status_2(args, needles, capsys, tmp_path):
     from plexus.cli import main

@@ -99,7 +99,7 @@ def parse_size(text: str) -> int:
 # How plexus.parallel.partition chooses a cut (its METHODS; tested equal).
 PARTITION_METHODS = ("uniform", "params", "time", "manual")
 # The pipeline schedules the stage executor runs (plexus/parallel/schedules.py).
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "pipedream", "pipedream-2bw")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "pipedream", "pipedream-2bw")
 # Those that never flush: the stages step on their own after each mini-batch's backward,
 # with the weight versions the schedule's ops carry (each step one mini-batch).
 ASYNCHRONOUS_SCHEDULES = ("pipedream", "pipedream-2bw")
@@ -138,8 +138,12 @@ class ParallelConfig:
     # its backward, with weight stashing (Harlap et al. 2018). pipedream-2bw: the same
     # without a flush, but each batch M micro-batches with one step after the last
     # backward, every stage computing with the weights of one step before (two versions,
-    # Narayanan et al. 2021); needs M >= K.
+    # Narayanan et al. 2021); needs M >= K. interleaved: 1f1b over --chunks v model chunks
+    # per process (the model cut into K*v stages, process s holding s, K+s, ...), which
+    # divides the fill and drain by v (Megatron-LM's; needs M a multiple of K).
     schedule: str = "1f1b"
+    # --schedule interleaved: model chunks (virtual stages) per process, v >= 2.
+    chunks: int = 1
     # A pipeline's micro-batch keeps only its inputs between its forward and its backward,
     # which runs the forward again (activation recomputation: compute for memory).
     recompute: bool = False
@@ -162,6 +166,22 @@ class ParallelConfig:
         _require(not self.recompute or self.microbatches > 1, "recompute", "applies to pipelines",
                  self.recompute, "pass --microbatches M (2 or more), or drop --recompute")
         asynchronous = self.schedule in ASYNCHRONOUS_SCHEDULES
+        _require(self.chunks >= 1, "chunks", "must be at least 1", self.chunks, "pass --chunks 2")
+        _require(self.chunks == 1 or self.schedule == "interleaved", "chunks",
+                 "applies to --schedule interleaved (model chunks per process)", self.chunks,
+                 "pass --schedule interleaved, or drop --chunks")
+        if self.schedule == "interleaved":
+            _require(self.chunks >= 2, "chunks", "must be at least 2 under --schedule interleaved (with one chunk "
+                     "it is 1f1b)", self.chunks, "pass --chunks 2")
+            _require(self.stages > 1 and self.microbatches > 1 and self.microbatches % self.stages == 0,
+                     "microbatches", f"must be a multiple of --stages K ({self.stages}, at least 2) under --schedule "
+                     f"interleaved: whole rounds of K micro-batches per chunk", self.microbatches,
+                     f"pass --microbatches {2 * max(2, self.stages)}")
+            _require(self.tensor_parallel == 1, "tensor_parallel", "does not combine with --schedule interleaved yet",
+                     self.tensor_parallel, "drop --tensor-parallel, or use --schedule 1f1b")
+            _require(self.partition in ("uniform", "params"), "partition",
+                     "must be uniform or params under --schedule interleaved (time and manual cut K stages, not the "
+                     "K x v chunks)", self.partition, "pass --partition params")
         _require(not asynchronous or self.stages > 1, "schedule", "pipelines the stages of --stages K, K at least 2",
                  self.schedule, "pass --stages 2 or more")
         _require(self.schedule != "pipedream" or self.microbatches == 1, "microbatches",

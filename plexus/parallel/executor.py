@@ -103,7 +103,8 @@ def make_plan(cfg: JobConfig, model: torch.nn.Module, sample: torch.Tensor,
     optim = cfg.optim
     slots = {"adam": 2, "adagrad": 1}.get(optim.optimizer, 1 if optim.momentum > 0 else 0)
     points = cfg.parallel.split_point_names if split_points is None else split_points
-    plan = plan_partitions(graph, cfg.parallel.stages, method, split_points=points,
+    # --schedule interleaved: K x v partitions, process s running virtual stages s, K + s, ...
+    plan = plan_partitions(graph, cfg.parallel.stages * cfg.parallel.chunks, method, split_points=points,
                            memory_cap=cfg.parallel.stage_memory_bytes, optimizer_slots=slots,
                            bandwidth=cfg.cluster.net.bandwidth, latency=cfg.cluster.net.latency)
     if method == "time":
@@ -275,6 +276,13 @@ class _Deposit(torch.autograd.Function):
         return (None, None, *ctx.grads)
 
 
+def _chunk_weights(model: torch.nn.Module, program: StageProgram) -> dict[str, torch.Tensor]:
+    """``model``'s parameters (the synchroniser's model of a process, holding every chunk's
+    layers at their qualified names) that model chunk ``program`` computes with."""
+    params = dict(model.named_parameters())
+    return {name: params[name] for name, _ in program.module.named_parameters()}
+
+
 @dataclass
 class _Microbatch:
     """A micro-batch between its forward and its backward on one stage."""
@@ -323,7 +331,12 @@ class StageExecutor:
         # An asynchronous schedule (pipedream) lists the whole run, so it is made once the
         # run's steps are known (``feed``); a synchronous one lists one step.
         self.asynchronous = cfg.parallel.schedule in ASYNCHRONOUS_SCHEDULES
-        self.schedule = make_schedule(cfg.parallel.schedule, plan.stages, self.microbatches) \
+        # Stage processes of the replica; under --schedule interleaved the plan's partitions
+        # are K x v virtual stages, virtual stage u running on process u mod K.
+        self.stages = cfg.parallel.stages
+        self.chunks = program.chunks or (program,)
+        self.schedule = make_schedule(cfg.parallel.schedule, self.stages, self.microbatches,
+                                      chunks=cfg.parallel.chunks) \
             if self.microbatches > 1 and not self.asynchronous else None
         self.weight_stashing, self.vertical_sync = cfg.parallel.weight_stashing, cfg.parallel.vertical_sync
         self._batch_at: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -350,10 +363,10 @@ class StageExecutor:
         self.index = {t: i for i, t in enumerate(plan.transfers)}
         # One link per cut edge's pair of stages (its counters are that edge's traffic), and
         # one from every stage to the output stage for snapshots of the model, counted apart.
-        g = plan.output_stage
-        pairs = {(min(t.src, t.dst), max(t.src, t.dst), "edge") for t in plan.transfers}
+        g, K = plan.output_stage % self.stages, self.stages
+        pairs = {(min(t.src % K, t.dst % K), max(t.src % K, t.dst % K), "edge") for t in plan.transfers}
         if replica == 0 and shard == 0:  # replica 0's stages hold the model that is evaluated and saved
-            pairs |= {(min(j, g), max(j, g), "gather") for j in range(plan.stages) if j != g}
+            pairs |= {(min(j, g), max(j, g), "gather") for j in range(K) if j != g}
         self.links: dict[int, Link] = {}
         self.gather_links: dict[int, Link] = {}
         self.gather_traffic = Traffic()
@@ -387,7 +400,7 @@ class StageExecutor:
 
     def name(self, j: int, shard: int | None = None) -> str:
         """The process of stage ``j`` of this replica, this shard (or ``shard``)."""
-        return stage_name((self.replica * self.plan.stages + j) * self.shards + (self.shard if shard is None else shard))
+        return stage_name((self.replica * self.stages + j) * self.shards + (self.shard if shard is None else shard))
 
     def stage_state(self, module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
         """This stage's whole state_dict from ``module`` (its model, or its shard of it) on
@@ -468,24 +481,26 @@ class StageExecutor:
         without a pipeline)."""
         return 2 * (self.index[transfer] + len(self.index) * microbatch) + int(grad)
 
-    def _receive_values(self, batch: int, microbatch: int) -> dict[str, torch.Tensor]:
-        """Every value that crosses into this stage for one (micro-)batch of ``batch``
-        samples, by producer."""
+    def _receive_values(self, batch: int, microbatch: int, program: StageProgram | None = None
+                        ) -> dict[str, torch.Tensor]:
+        """Every value that crosses into this stage (or its chunk ``program``) for one
+        (micro-)batch of ``batch`` samples, by producer."""
         received, wanted = {}, []
-        for t in self.program.receives:
+        for t in (program or self.program).receives:
             buf = torch.empty(t.shape_for(batch), dtype=getattr(torch, t.dtype), device=self.device)
             received[t.producer] = buf
-            wanted.append((t.src, self._tag(t, microbatch, False), buf))
+            wanted.append((t.src % self.stages, self._tag(t, microbatch, False), buf))
         self._recv_all(wanted)
         return received
 
-    def _receive_value_gradients(self, values: dict[str, torch.Tensor], microbatch: int
-                                 ) -> list[tuple[Transfer, torch.Tensor]]:
-        """The gradient of each value this stage sent (``values``, by producer), one per
-        transfer that carries one back, received contiguous whatever the value's strides."""
+    def _receive_value_gradients(self, values: dict[str, torch.Tensor], microbatch: int,
+                                 program: StageProgram | None = None) -> list[tuple[Transfer, torch.Tensor]]:
+        """The gradient of each value this stage (or its chunk ``program``) sent
+        (``values``, by producer), one per transfer that carries one back, received
+        contiguous whatever the value's strides."""
         wanted = [(t, torch.empty(values[t.producer].shape, dtype=values[t.producer].dtype,
-                                  device=values[t.producer].device)) for t in self.program.sends if t.grad]
-        self._recv_all([(t.dst, self._tag(t, microbatch, True), buf) for t, buf in wanted])
+                                  device=values[t.producer].device)) for t in (program or self.program).sends if t.grad]
+        self._recv_all([(t.dst % self.stages, self._tag(t, microbatch, True), buf) for t, buf in wanted])
         return wanted
 
     def _finish_sends(self) -> None:
@@ -498,16 +513,22 @@ class StageExecutor:
         self._waits.append((start, self._marks["backward"]))
 
     def _forward(self, model: torch.nn.Module, received: dict[str, torch.Tensor], x: torch.Tensor | None,
-                 y: torch.Tensor | None, grad: bool, weights: dict[str, torch.Tensor] | None = None
-                 ) -> "_Microbatch":
+                 y: torch.Tensor | None, grad: bool, weights: dict[str, torch.Tensor] | None = None,
+                 program: StageProgram | None = None) -> "_Microbatch":
         """One micro-batch's forward (and loss, weighted 1/M, on the output stage), and
         the bytes of activations it leaves for its backward: what autograd saved, apart
         from the parameters (``grad``), or, recomputing, only its inputs. ``weights``:
-        parameters to run ``model`` with instead of its own (a stashed version)."""
-        p = self.program
+        parameters to run ``model`` with instead of its own (a stashed version).
+        ``program``: the model chunk to run (interleaved), with ``model``'s parameters."""
+        p = program or self.program
         runner = StageStep(p)
+        if program is not None and program is not self.program:
+            target = program.module
+            weights = weights if weights is not None else _chunk_weights(model, program)
+        else:
+            target = model
         params = {q.data_ptr() for q in (model.parameters() if weights is None else weights.values())}
-        module = model if weights is None else (lambda *args: functional_call(model, weights, args))
+        module = target if weights is None else (lambda *args: functional_call(target, weights, args))
         saved: dict[int, int] = {}
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -534,47 +555,49 @@ class StageExecutor:
         Under zb-h1 (``splits_backward``) B differentiates only the received values and
         sends their gradients back at once; W, later, takes the parameters' gradients from
         where B left them (``SplitBackward``: only the weight products, unless the graph
-        cannot be split, where W is a whole backward again)."""
-        p, m_count = self.program, self.microbatches
+        cannot be split, where W is a whole backward again). Under interleaved each op
+        names its model chunk, a program of its own with its own transfers."""
+        m_count = self.microbatches
         split = self.schedule.splits_backward
         batch = self.batch // m_count
         xs = x.split(batch) if x is not None else [None] * m_count
         ys = y.split(batch) if y is not None else [None] * m_count
         params = [q for q in model.parameters() if q.requires_grad]
         grads = [torch.zeros_like(q) for q in params]
-        live: dict[int, _Microbatch] = {}  # forward run, weight gradient not yet taken
+        # (micro-batch, chunk) -> its forward's values and graph, until its backward (W under zb-h1)
+        live: dict[tuple[int, int], _Microbatch] = {}
         total = torch.zeros((), device=self.device)
         start, waited = time.time(), len(self._waits)
         for op in self.schedule.ops(self.k):
-            m = op.microbatch
+            m, key, chunk = op.microbatch, (op.microbatch, op.chunk), self.chunks[op.chunk]
             if op.kind == "F":
-                received = self._receive_values(batch, m)
+                received = self._receive_values(batch, m, chunk)
                 began = time.time()
-                mb = self._forward(model, received, xs[m], ys[m], grad=not self.recompute)
+                mb = self._forward(model, received, xs[m], ys[m], grad=not self.recompute, program=chunk)
                 self._ops.append(("forward", began, time.time()))
-                for t in p.sends:
-                    self._send(t.dst, self._tag(t, m, False), mb.values[t.producer])
+                for t in chunk.sends:
+                    self._send(t.dst % self.stages, self._tag(t, m, False), mb.values[t.producer])
                 if mb.loss is not None:
                     total = total + mb.loss.detach()
-                live[m] = mb
+                live[key] = mb
                 self.in_flight = max(self.in_flight, len(live))
                 self.peak_activation_bytes = max(self.peak_activation_bytes, sum(b.held for b in live.values()))
                 continue
             if op.kind == "W":
-                mb = live.pop(m)
+                mb = live.pop(key)
                 began = time.time()
                 for acc, g in zip(grads, mb.split.weight_gradients()):
                     if g is not None:
                         acc.add_(g)
                 self._ops.append(("weight", began, time.time()))
                 continue
-            mb = live[m] if split else live.pop(m)
-            wanted = self._receive_value_gradients(mb.values, m)
+            mb = live[key] if split else live.pop(key)
+            wanted = self._receive_value_gradients(mb.values, m, chunk)
             began = time.time()
             if self.recompute:  # the forward again, now keeping what backward needs
-                mb = self._forward(model, mb.received, mb.x, mb.y, grad=True)
+                mb = self._forward(model, mb.received, mb.x, mb.y, grad=True, program=chunk)
                 if split:
-                    live[m] = mb
+                    live[key] = mb
             tensors, seeds = ([mb.loss], [torch.ones_like(mb.loss)]) if mb.loss is not None else ([], [])
             for t, buf in wanted:
                 tensors.append(mb.values[t.producer])
@@ -587,13 +610,21 @@ class StageExecutor:
                 got = self._accumulate(grads, params, tensors, seeds, [leaf for _, leaf in leaves])
             self._ops.append(("backward", began, time.time()))
             for (t, leaf), g in zip(leaves, got):
-                self._send(t.src, self._tag(t, m, True), g if g is not None else torch.zeros_like(leaf))
+                self._send(t.src % self.stages, self._tag(t, m, True), g if g is not None else torch.zeros_like(leaf))
         self._finish_sends()
         self.pipeline_s += self._marks["backward"] - start
         for kind, a, b in self._ops:
             self.op_seconds[kind][0] += b - a
             self.op_seconds[kind][1] += 1
         self.pipeline_idle_s += sum(b - a for a, b in self._waits[waited:])
+        return self._deposit(grads, total, params)
+
+    def _deposit(self, grads: list[torch.Tensor], total: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+        """The step's loss, whose backward leaves ``grads`` in ``params`` (``_Deposit``). A
+        stage without parameters (an interleaved chunk of a flatten alone, say) still
+        returns a loss that ``backward()`` accepts: tied to the anchor, gradient zero."""
+        if not params:
+            return total + 0 * self._anchor
         return _Deposit.apply(grads, total, *params)
 
     @staticmethod
@@ -621,7 +652,7 @@ class StageExecutor:
             return
         cfg = self.cfg.parallel
         self._batch_at = batch_at
-        self.schedule = make_schedule(cfg.schedule, self.plan.stages, self.microbatches,
+        self.schedule = make_schedule(cfg.schedule, self.stages, self.microbatches,
                                       vertical_sync=self.vertical_sync, minibatches=steps)
         self._coming, self._ahead = self.schedule.iter_ops(self.k), deque()
 
@@ -668,7 +699,7 @@ class StageExecutor:
         p = self.program
         batch = self.batch // self.microbatches
         # Tags repeat every few inputs: fewer than 2K are ever in flight on a link.
-        window = 4 * self.plan.stages
+        window = 4 * self.stages
         if self._stash is None or self._stash.module is not model:
             self._stash = WeightStash(model)
         stash = self._stash
@@ -733,7 +764,7 @@ class StageExecutor:
             self.op_seconds[kind][0] += b - a
             self.op_seconds[kind][1] += 1
         self.pipeline_idle_s += sum(b - a for a, b in self._waits[waited:])
-        return _Deposit.apply(grads, total, *params)
+        return self._deposit(grads, total, params)
 
     def _receive_gradients(self) -> list[torch.Tensor]:
         """The gradients of the values this stage sent, summed over the stages each went to."""
@@ -785,7 +816,12 @@ class StageExecutor:
             recv[str(peer)] = [row["msgs_recv"], row["bytes_recv"]]
         # A pipeline sends each transfer once per micro-batch, a 1/M share of the batch each.
         m_count = self.microbatches
-        predicted = {f"{s}->{d}": [m * steps * m_count, b * steps] for (s, d), (m, b) in self.plan.traffic().items()
+        # Under interleaved, the edges between virtual stages that join the same two processes, summed.
+        per_step: dict[tuple[int, int], list[int]] = {}
+        for (s, d), (m, b) in self.plan.traffic().items():
+            pair = per_step.setdefault((s % self.stages, d % self.stages), [0, 0])
+            pair[0], pair[1] = pair[0] + m, pair[1] + b
+        predicted = {f"{s}->{d}": [m * steps * m_count, b * steps] for (s, d), (m, b) in per_step.items()
                      if self.k in (s, d)}
         tensor = {}
         if self.tensor_plan is not None:
@@ -799,7 +835,7 @@ class StageExecutor:
                       "tensor_layers": [[split.name, split.kind] for split in self.tensor_plan.layers]}
         pipeline = {}
         if self.schedule is not None:
-            pipeline = {"microbatches": self.microbatches, "schedule": self.schedule.name,
+            pipeline = {"microbatches": self.microbatches, "schedule": self.schedule.name, "chunks": len(self.chunks),
                         "max_in_flight": self.in_flight, "peak_activation_bytes": self.peak_activation_bytes,
                         "recompute": self.recompute, "pipeline_seconds": self.pipeline_s,
                         "pipeline_idle_seconds": self.pipeline_idle_s,
@@ -808,13 +844,14 @@ class StageExecutor:
                         **{f"{kind}_op_seconds": total / count if count else None
                            for kind, (total, count) in self.op_seconds.items()}}
             if self.asynchronous:  # the run's mini-batches (--time-limit: those made) and the versions kept
-                made = make_schedule(self.cfg.parallel.schedule, self.plan.stages, self.microbatches,
+                made = make_schedule(self.cfg.parallel.schedule, self.stages, self.microbatches,
                                      vertical_sync=self.vertical_sync, minibatches=max(1, steps))
                 pipeline.update(minibatches=max(1, steps), predicted_bubble=made.predicted_bubble(),
                                 weight_stashing=self.weight_stashing, vertical_sync=self.vertical_sync,
                                 weight_versions=self._stash.peak if self._stash is not None else 0)
         return {"stage": self.k, "replica": self.replica, "shard": self.shard, "steps": steps, **tensor, **pipeline,
-                "nodes": list(self.plan.partitions[self.k].compute), "compute_seconds": self.compute_s,
+                "nodes": [n for c in self.chunks for n in self.plan.partitions[c.index].compute],
+                "compute_seconds": self.compute_s,
                 "idle_seconds": self.idle_s, "sync_seconds": self.sync_s,
                 "timeline": [span for step in self.timeline for span in step],
                 "peak_memory_bytes": peak_bytes(self.device),
@@ -841,7 +878,7 @@ def gather_state(own: "StageExecutor", programs: list[StageProgram], module: tor
     state = own.stage_state(module)
     if state is None:
         return None
-    g = own.plan.output_stage
+    g = own.plan.output_stage % own.stages
     if own.k != g:
         _send_state(own.gather_links[g], state)
         return None
@@ -937,13 +974,15 @@ def stage_summary(records: dict[int, dict[str, Any]]) -> dict[str, Any]:
         # with transfers and the time between ops left out.
         lane = sorted((rec for rec in piped if rec.get("replica", 0) == 0 and rec.get("shard", 0) == 0),
                       key=lambda rec: rec["stage"])
-        schedule = make_schedule(lane[0]["schedule"], len(lane), lane[0]["microbatches"],
+        v = lane[0].get("chunks", 1)
+        schedule = make_schedule(lane[0]["schedule"], len(lane), lane[0]["microbatches"], chunks=v,
                                  vertical_sync=lane[0].get("vertical_sync", False),
                                  minibatches=lane[0].get("minibatches"))
-        # Under zb-h1 backward_op_seconds is B's and weight_op_seconds W's.
+        # Under zb-h1 backward_op_seconds is B's and weight_op_seconds W's. simulate takes a
+        # stage's cost of a micro-batch, which interleaved runs as v chunk ops, each measured.
         weights = [rec["weight_op_seconds"] for rec in lane] if schedule.splits_backward else None
-        simulated = simulate(schedule, [rec["forward_op_seconds"] for rec in lane],
-                             [rec["backward_op_seconds"] for rec in lane], weights).bubble
+        simulated = simulate(schedule, [v * rec["forward_op_seconds"] for rec in lane],
+                             [v * rec["backward_op_seconds"] for rec in lane], weights).bubble
         # The bubble: the share of the pipelined part of its steps each stage spent waiting,
         # averaged over the stage processes, beside the schedule's closed form.
         out["pipeline"] = {"schedule": piped[0]["schedule"], "microbatches": piped[0]["microbatches"],

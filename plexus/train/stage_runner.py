@@ -39,7 +39,7 @@ from plexus.config import JobConfig
 from plexus.config.defaults import is_asynchronous
 from plexus.cluster.group import Group
 from plexus.parallel.executor import StageExecutor, gather_state, shared_plan, stage_examples, stage_name
-from plexus.parallel.stages import build_stages
+from plexus.parallel.stages import build_stages, join_chunks
 from plexus.parallel.tensor import plan_tensor_split, shard_module
 from plexus.strategies import create_strategy
 from plexus.strategies.base import Context, make_optimizer
@@ -85,7 +85,7 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
     share = batch // replicas  # this replica's samples per step (config checks B % R == 0)
     graph, plan, predicted = shared_plan(cfg, i, store, model, data.x_train[:share],
                                          optimizer=lambda params: make_optimizer(params, cfg.optim))
-    programs = build_stages(graph, plan)
+    programs = join_chunks(build_stages(graph, plan), stages)  # interleaved: a process's v model chunks as one
     program = programs[k]
     tensor = None
     if shards > 1:  # this process holds shard t of the stage's split layers (parallel/tensor.py)
@@ -95,7 +95,7 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
         program = dataclasses.replace(program, module=shard_module(program.module, split, t, shards, tp_group))
         tensor = (split, tp_group)
     program.module.to(device)
-    g = plan.output_stage
+    g = plan.output_stage % stages  # the process of the output's (virtual) stage
     traffic = Traffic()
     own = StageExecutor(cfg, program, plan, store, device, backend, traffic, criterion=_loss, replica=r,
                         replicas=replicas, shard=t, shards=shards, tensor=tensor)
