@@ -3,6 +3,7 @@
 
     python benchmarks/pipeline_bubble.py        # about a minute
     python benchmarks/pipeline_bubble.py --schedules 1f1b,zb-h1
+    python benchmarks/pipeline_bubble.py --schedules 1f1b,interleaved   # --chunks 2
 
 Prints the markdown table of docs/results/pipeline.md. The last column is each stage's
 mean micro-batch backward and, under zb-h1, its W (weight gradient) apart, in ms.
@@ -38,7 +39,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedules", default="gpipe,1f1b", help="comma-separated schedules (default gpipe,1f1b)")
     schedules = [s for s in parser.parse_args().schedules.split(",") if s]
-    cases = [(k, m, schedule) for k in (2, 3) for m in (4, 8) for schedule in schedules]
+    # interleaved: 2 chunks per process, and only where M is a multiple of K (whole rounds).
+    cases = [(k, m, schedule) for k in (2, 3) for m in (4, 8) for schedule in schedules
+             if schedule != "interleaved" or m % k == 0]
     lines = ["| stages | micro-batches | schedule | bubble predicted | simulated with measured op costs "
              "| bubble measured | per stage | gap to predicted | most micro-batches held | step ms "
              "| backward / W op ms per stage |",
@@ -46,6 +49,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for k, m, schedule in cases:
             s = plexus.run({**BASE, "stages": k, "microbatches": m, "schedule": schedule,
+                            **({"chunks": 2} if schedule == "interleaved" else {}),
                             "out": str(Path(tmp) / f"{k}-{m}-{schedule}")})
             p = s["pipeline"]
             per_stage = " / ".join(f"{x['bubble']:.3f}" for x in s["stages"])

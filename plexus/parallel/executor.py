@@ -34,9 +34,11 @@ to the output stage on links of their own (``gather_state``), counted apart.
 Replicas (``--stages K --workers R``; ``--replicas`` is another name for ``--workers``)
 are synchronised stage by stage: ``train/stage_groups.py``.
 
-Pipelines (--microbatches M, --schedule): a synchronous schedule (gpipe, 1f1b, zb-h1)
-runs a step's M micro-batches in its order and leaves the whole batch's gradient for
-the synchroniser (``_pipelined_loss``); pipedream and pipedream-2bw are asynchronous
+Pipelines (--microbatches M, --schedule): a synchronous schedule (gpipe, 1f1b,
+interleaved, zb-h1) runs a step's M micro-batches in its order and leaves the whole
+batch's gradient for the synchroniser (``_pipelined_loss``); under interleaved the plan
+has K x v partitions, virtual stage u running on process u mod K as one of its model
+chunks (``stages.join_chunks``), and every link, tag and count is between processes; pipedream and pipedream-2bw are asynchronous
 (``_asynchronous_loss``): the op list covers the whole run, each synchroniser step runs
 the ops up to the next optimizer step (pipedream: one input's backward; 2bw: a batch's M
 micro-batches' last), inputs stay in flight across steps, and each forward and its
