@@ -2,11 +2,15 @@
 1024, batch 256, one thread per process) cut into K stages, M micro-batches, 40 steps.
 
     python benchmarks/pipeline_bubble.py        # about a minute
+    python benchmarks/pipeline_bubble.py --schedules 1f1b,zb-h1
+    python benchmarks/pipeline_bubble.py --schedules 1f1b,interleaved   # --chunks 2
 
-Prints the markdown table of docs/results/pipeline.md.
+Prints the markdown table of docs/results/pipeline.md. The last column is each stage's
+mean micro-batch backward and, under zb-h1, its W (weight gradient) apart, in ms.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import tempfile
@@ -19,16 +23,33 @@ import plexus  # noqa: E402
 
 BASE = dict(dataset="digits", model="deep-mlp", hidden=1024, batch_size=256, threads=1, steps=40, eval_every=0,
             quiet=True, seed=1)
-CASES = [(k, m, schedule) for k in (2, 3) for m in (4, 8) for schedule in ("gpipe", "1f1b")]
+
+
+def _ms(seconds: float | None) -> str:
+    return "–" if seconds is None else f"{1000 * seconds:.1f}"
+
+
+def _ops(stage: dict) -> str:
+    """A stage's mean micro-batch backward in ms, and under zb-h1 its W after a +."""
+    w = stage.get("weight_op_seconds")
+    return _ms(stage["backward_op_seconds"]) + ("" if w is None else f" + {_ms(w)}")
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--schedules", default="gpipe,1f1b", help="comma-separated schedules (default gpipe,1f1b)")
+    schedules = [s for s in parser.parse_args().schedules.split(",") if s]
+    # interleaved: 2 chunks per process, and only where M is a multiple of K (whole rounds).
+    cases = [(k, m, schedule) for k in (2, 3) for m in (4, 8) for schedule in schedules
+             if schedule != "interleaved" or m % k == 0]
     lines = ["| stages | micro-batches | schedule | bubble predicted | simulated with measured op costs "
-             "| bubble measured | per stage | gap to predicted | most micro-batches held | step ms |",
-             "|---:|---:|---|---:|---:|---:|---|---:|---:|---:|"]
+             "| bubble measured | per stage | gap to predicted | most micro-batches held | step ms "
+             "| backward / W op ms per stage |",
+             "|---:|---:|---|---:|---:|---:|---|---:|---:|---:|---|"]
     with tempfile.TemporaryDirectory() as tmp:
-        for k, m, schedule in CASES:
+        for k, m, schedule in cases:
             s = plexus.run({**BASE, "stages": k, "microbatches": m, "schedule": schedule,
+                            **({"chunks": 2} if schedule == "interleaved" else {}),
                             "out": str(Path(tmp) / f"{k}-{m}-{schedule}")})
             p = s["pipeline"]
             per_stage = " / ".join(f"{x['bubble']:.3f}" for x in s["stages"])
@@ -36,7 +57,8 @@ def main() -> None:
                          f"| {p['bubble_measured']:.3f} "
                          f"| {per_stage} | {p['bubble_measured'] - p['bubble_predicted']:+.3f} "
                          f"| {' / '.join(str(x['max_in_flight']) for x in s['stages'])} "
-                         f"| {1000 * s['wall_seconds'] / s['steps']:.1f} |")
+                         f"| {1000 * s['wall_seconds'] / s['steps']:.1f} "
+                         f"| {' / '.join(_ops(x) for x in s['stages'])} |")
             print(lines[-1], file=sys.stderr)
     print("\n".join(lines))
 

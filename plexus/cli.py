@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from plexus.config import TRANSPORTS
+from plexus.config import PIPELINE_SCHEDULES, TRANSPORTS
 
 if TYPE_CHECKING:
     from plexus.report.judging import Judged
@@ -124,8 +124,17 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
           help="split each stage's large Linear and Conv layers across T processes (default 1)")
     _flag(g, "microbatches", type=int, metavar="M",
           help="pipeline the stages: each replica's batch in M micro-batches (default 1, no pipeline)")
-    _flag(g, "schedule", choices=["gpipe", "1f1b"],
-          help="the order each stage runs its micro-batches' forwards and backwards (default 1f1b)")
+    _flag(g, "schedule", choices=list(PIPELINE_SCHEDULES),
+          help="the order each stage runs its micro-batches' forwards and backwards (default 1f1b); zb-h1 "
+               "splits each backward into input and weight gradients; pipedream is asynchronous (no flush, "
+               "a step per batch, weight stashing)")
+    _flag(g, "chunks", type=int, metavar="V",
+          help="--schedule interleaved: model chunks per process (at least 2), the model cut into K x V stages")
+    _flag(g, "vertical-sync", action="store_const", const=True,
+          help="--schedule pipedream: every stage computes an input with the weights stage 0 used for it")
+    g.add_argument("--no-weight-stashing", dest="weight_stashing", action="store_const", const=False,
+                   help="--schedule pipedream: backpropagate with the newest weights, not the forward's "
+                        "(to measure what weight stashing is for)")
     _flag(g, "recompute", action="store_const", const=True,
           help="keep only each micro-batch's inputs and run its forward again for its backward")
     g = parser.add_argument_group("optimisation")

@@ -5,13 +5,15 @@ The oracle is a one-process run of the same job: a synchronous schedule makes on
 optimizer step per batch on the gradient of the whole batch's mean loss, so K stages and
 M micro-batches must give the same model to float32 rounding. Each cut edge carries one
 message per micro-batch, the plan's bytes in all, and a stage holds at most the
-activations its schedule keeps in flight (GPipe: M; 1F1B: K - k on stage k)."""
+activations its schedule keeps in flight (GPipe: M; 1F1B: K - k on stage k; zb-h1: what
+``ZeroBubbleH1.max_in_flight`` counts, each micro-batch held until its W)."""
 from __future__ import annotations
 
 import subprocess
 
 import pytest
 
+from plexus.parallel.schedules import Interleaved, ZeroBubbleH1
 from test_cli import assert_usage_error
 from test_stages_run import _train, assert_same_model
 
@@ -25,7 +27,7 @@ def one_process(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parallel
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 @pytest.mark.parametrize("stages", [2, 3, 4])
 @pytest.mark.parametrize("microbatches", [2, 4, 8])
 def test_a_synchronous_pipeline_equals_one_process(schedule, stages, microbatches, one_process, tmp_path):
@@ -37,13 +39,45 @@ def test_a_synchronous_pipeline_equals_one_process(schedule, stages, microbatche
         assert row["messages_sent"] == STEPS * microbatches  # one message per micro-batch and edge
     pipeline = summary["pipeline"]
     assert (pipeline["schedule"], pipeline["microbatches"]) == (schedule, microbatches)
-    assert pipeline["bubble_predicted"] == pytest.approx((stages - 1) / (microbatches + stages - 1))
+    # zb-h1 idles (K-1)(f+b-w) per stage, f = b = w: (K-1)/(3M+K-1) (Qi et al. 2023).
+    fill = 3 * microbatches if schedule == "zb-h1" else microbatches
+    assert pipeline["bubble_predicted"] == pytest.approx((stages - 1) / (fill + stages - 1))
     assert 0 <= pipeline["bubble_simulated"] < 1 and 0 <= pipeline["bubble_measured"] < 1
     held = {s["stage"]: s["max_in_flight"] for s in summary["stages"]}
     if schedule == "gpipe":
         assert held == {k: microbatches for k in range(stages)}
-    else:  # 1F1B: stage k starts K - k micro-batches before its first backward
+    elif schedule == "1f1b":  # stage k starts K - k micro-batches before its first backward
         assert held == {k: min(stages - k, microbatches) for k in range(stages)}
+    else:  # a micro-batch's activations stay until its W, which stage k defers by k backwards
+        schedule_object = ZeroBubbleH1(stages=stages, microbatches=microbatches)
+        assert held == {k: schedule_object.max_in_flight(k) for k in range(stages)}
+        assert all(s["weight_op_seconds"] > 0 for s in summary["stages"])
+
+
+@pytest.mark.slow
+@pytest.mark.parallel
+@pytest.mark.parametrize("stages, microbatches, chunks", [(2, 2, 2), (2, 4, 3), (3, 6, 2), (4, 4, 2), (4, 8, 2),
+                                                         (4, 4, 3)])
+def test_an_interleaved_pipeline_equals_one_process(stages, microbatches, chunks, one_process, tmp_path):
+    """--schedule interleaved --chunks v: the model cut into K x v stages, process s running
+    virtual stages s, K + s, ...; the same model as one process (K = 3 at batch 48, which
+    M = 6 divides, against its own one-process run), each process holding what
+    ``Interleaved.max_in_flight`` counts, one message per micro-batch and cut edge."""
+    batch = dict(batch_size=48) if stages == 3 else {}
+    want = _train(tmp_path, "one", model="deep-mlp", workers=1, **batch)[1] if batch else one_process
+    summary, got = _train(tmp_path, "pipe", model="deep-mlp", stages=stages, microbatches=microbatches,
+                          schedule="interleaved", chunks=chunks, **batch)
+    assert_same_model(got, want)
+    schedule = Interleaved(stages=stages, microbatches=microbatches, chunks=chunks)
+    assert summary["pipeline"]["bubble_predicted"] == pytest.approx(
+        (stages - 1) / (chunks * microbatches + stages - 1))
+    assert {s["stage"]: s["max_in_flight"] for s in summary["stages"]} == \
+        {k: schedule.max_in_flight(k) for k in range(stages)}
+    assert summary["traffic_matches_plan"] is True and len(summary["stages"]) == stages
+    # Each pair of processes carries the cuts between their chunks, one message per micro-batch each.
+    assert all(row["messages_sent"] > 0 and row["messages_sent"] % (STEPS * microbatches) == 0
+               for row in summary["stage_traffic"])
+    assert len({(row["src"], row["dst"]) for row in summary["stage_traffic"]}) >= 2 * (stages - 1)
 
 
 @pytest.mark.parametrize("args, needles", [
@@ -53,6 +87,14 @@ def test_a_synchronous_pipeline_equals_one_process(schedule, stages, microbatche
     (["--stages", "2", "--recompute"], ("recompute", "applies to pipelines")),
     (["--stages", "2", "--workers", "2", "--batch-size", "36", "--microbatches", "4"],
      ("each replica's batch (18 = --batch-size 36 / 2 replicas)",)),
+    (["--stages", "2", "--microbatches", "4", "--chunks", "2"], ("chunks applies to --schedule interleaved",)),
+    (["--stages", "2", "--microbatches", "4", "--schedule", "interleaved"], ("chunks must be at least 2",)),
+    (["--stages", "3", "--microbatches", "4", "--schedule", "interleaved", "--chunks", "2"],
+     ("must be a multiple of --stages K (3", "--microbatches 6")),
+    (["--stages", "2", "--microbatches", "4", "--schedule", "interleaved", "--chunks", "2", "--tensor-parallel", "2"],
+     ("does not combine with --schedule interleaved",)),
+    (["--stages", "2", "--microbatches", "4", "--schedule", "interleaved", "--chunks", "2", "--partition", "time"],
+     ("must be uniform or params under --schedule interleaved",)),
 ])
 def test_bad_pipeline_input_is_one_line_and_status_2(args, needles, capsys, tmp_path):
     from plexus.cli import main
@@ -90,7 +132,7 @@ def test_pipelined_replicas_learn_under_servers_and_local_sgd(flags, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parallel
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 def test_recomputation_trades_activations_for_compute(schedule, one_process, tmp_path):
     """--recompute: a micro-batch keeps only its inputs until its backward runs its forward
     again; the model is the same, and the activations held shrink to the inputs'."""

@@ -250,3 +250,24 @@ def test_simulate_takes_each_stage_its_own_costs():
     assert uneven.busy == (12.0, 24.0, 12.0)
     with pytest.raises(ConfigError, match="3 stages need 3 forward and backward costs"):
         simulate(schedule, [1.0, 1.0], 2.0)
+
+
+def test_simulate_takes_a_weight_cost_per_stage():
+    """The summary simulates zb-h1 with each stage's measured W: a W that grows on one
+    stage only lengthens the run, and equal per-stage costs are the scalar's timeline."""
+    from plexus.parallel.schedules import ZeroBubbleH1, simulate
+    zb = ZeroBubbleH1(stages=3, microbatches=4)
+    assert simulate(zb, 1.0, 1.0, [1.0, 1.0, 1.0]).makespan == simulate(zb, 1.0, 1.0, 1.0).makespan
+    assert simulate(zb, 1.0, 1.0, [1.0, 1.0, 3.0]).makespan > simulate(zb, 1.0, 1.0, 1.0).makespan
+
+
+@pytest.mark.parametrize("name", ["pipedream", "pipedream-2bw"])
+def test_asynchronous_ops_come_one_at_a_time(name):
+    """iter_ops gives ops()'s list, and makes a run as long as --time-limit's 2**62 steps
+    without building it (the executor reads the ops of a whole run this way)."""
+    import itertools
+    schedule = make_schedule(name, 3, 1 if name == "pipedream" else 3, minibatches=5)
+    for s in range(3):
+        assert tuple(schedule.iter_ops(s)) == schedule.ops(s)
+    endless = make_schedule(name, 3, 1 if name == "pipedream" else 3, minibatches=2**62)
+    assert list(itertools.islice(endless.iter_ops(0), 6)) == list(schedule.ops(0)[:6])

@@ -99,7 +99,10 @@ def parse_size(text: str) -> int:
 # How plexus.parallel.partition chooses a cut (its METHODS; tested equal).
 PARTITION_METHODS = ("uniform", "params", "time", "manual")
 # The pipeline schedules the stage executor runs (plexus/parallel/schedules.py).
-PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "pipedream", "pipedream-2bw")
+# Those that never flush: the stages step on their own after each mini-batch's backward,
+# with the weight versions the schedule's ops carry (each step one mini-batch).
+ASYNCHRONOUS_SCHEDULES = ("pipedream", "pipedream-2bw")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -127,12 +130,30 @@ class ParallelConfig:
     # run in the order of --schedule (parallel/schedules.py); 1: no pipeline.
     microbatches: int = 1
     # The order each stage runs its micro-batches' forwards and backwards: gpipe (every
-    # forward, then every backward) or 1f1b (one forward, one backward; at most K
-    # micro-batches' activations held, not M).
+    # forward, then every backward), 1f1b (one forward, one backward; at most K
+    # micro-batches' activations held, not M) or zb-h1 (1f1b with each backward split
+    # into the input gradient, sent at once, and the weight gradient, run later in the
+    # holes where 1f1b waits; Qi et al. 2023). pipedream is asynchronous: 1f1b that never
+    # flushes, each step's batch one mini-batch in flight and each stage stepping after
+    # its backward, with weight stashing (Harlap et al. 2018). pipedream-2bw: the same
+    # without a flush, but each batch M micro-batches with one step after the last
+    # backward, every stage computing with the weights of one step before (two versions,
+    # Narayanan et al. 2021); needs M >= K. interleaved: 1f1b over --chunks v model chunks
+    # per process (the model cut into K*v stages, process s holding s, K+s, ...), which
+    # divides the fill and drain by v (Megatron-LM's; needs M a multiple of K).
     schedule: str = "1f1b"
+    # --schedule interleaved: model chunks (virtual stages) per process, v >= 2.
+    chunks: int = 1
     # A pipeline's micro-batch keeps only its inputs between its forward and its backward,
     # which runs the forward again (activation recomputation: compute for memory).
     recompute: bool = False
+    # --schedule pipedream: every stage computes an input with the weight version stage 0
+    # used for it (vertical sync, Narayanan et al. 2019), so each input sees one model.
+    vertical_sync: bool = False
+    # Asynchronous schedules: an input's backward uses the weights its forward used
+    # (weight stashing). False (--no-weight-stashing) backpropagates with the newest
+    # weights instead, which gives no model's gradient: only to measure what stashing buys.
+    weight_stashing: bool = True
 
     def __post_init__(self) -> None:
         _require(self.stages >= 1, "stages", "must be at least 1", self.stages, "pass --stages 2")
@@ -144,6 +165,44 @@ class ParallelConfig:
                  self.schedule, "pass --schedule 1f1b")
         _require(not self.recompute or self.microbatches > 1, "recompute", "applies to pipelines",
                  self.recompute, "pass --microbatches M (2 or more), or drop --recompute")
+        asynchronous = self.schedule in ASYNCHRONOUS_SCHEDULES
+        _require(self.chunks >= 1, "chunks", "must be at least 1", self.chunks, "pass --chunks 2")
+        _require(self.chunks == 1 or self.schedule == "interleaved", "chunks",
+                 "applies to --schedule interleaved (model chunks per process)", self.chunks,
+                 "pass --schedule interleaved, or drop --chunks")
+        if self.schedule == "interleaved":
+            _require(self.chunks >= 2, "chunks", "must be at least 2 under --schedule interleaved (with one chunk "
+                     "it is 1f1b)", self.chunks, "pass --chunks 2")
+            _require(self.stages > 1 and self.microbatches > 1 and self.microbatches % self.stages == 0,
+                     "microbatches", f"must be a multiple of --stages K ({self.stages}, at least 2) under --schedule "
+                     f"interleaved: whole rounds of K micro-batches per chunk", self.microbatches,
+                     f"pass --microbatches {2 * max(2, self.stages)}")
+            _require(self.tensor_parallel == 1, "tensor_parallel", "does not combine with --schedule interleaved yet",
+                     self.tensor_parallel, "drop --tensor-parallel, or use --schedule 1f1b")
+            _require(self.partition in ("uniform", "params"), "partition",
+                     "must be uniform or params under --schedule interleaved (time and manual cut K stages, not the "
+                     "K x v chunks)", self.partition, "pass --partition params")
+        _require(not asynchronous or self.stages > 1, "schedule", "pipelines the stages of --stages K, K at least 2",
+                 self.schedule, "pass --stages 2 or more")
+        _require(self.schedule != "pipedream" or self.microbatches == 1, "microbatches",
+                 "must be 1 under --schedule pipedream, whose every batch is one mini-batch in flight (it steps "
+                 "after each backward)", self.microbatches, "drop --microbatches")
+        _require(self.schedule != "pipedream-2bw" or self.microbatches >= self.stages, "microbatches",
+                 f"must be at least --stages K ({self.stages}) under --schedule pipedream-2bw, so that each "
+                 f"stage holds two weight versions at most", self.microbatches,
+                 f"pass --microbatches {1 << (self.stages - 1).bit_length()} (at least K, dividing each "
+                 f"replica's batch)")
+        _require(not self.recompute or not asynchronous, "recompute", "applies to the synchronous schedules",
+                 self.recompute, "drop --recompute")
+        _require(not self.vertical_sync or self.schedule == "pipedream", "vertical_sync",
+                 "applies to --schedule pipedream", self.vertical_sync, "pass --schedule pipedream, or drop it")
+        _require(self.weight_stashing or self.schedule == "pipedream", "weight_stashing",
+                 "can be turned off only under --schedule pipedream (the other schedules step once no "
+                 "backward is pending, so their weights never change under one)", self.weight_stashing,
+                 "drop --no-weight-stashing")
+        _require(self.weight_stashing or not self.vertical_sync, "vertical_sync",
+                 "keeps old weight versions for the forwards, which needs weight stashing", self.vertical_sync,
+                 "drop --no-weight-stashing or --vertical-sync")
         _require(self.microbatches == 1 or self.stages > 1, "microbatches",
                  "pipelines the stages of --stages K, K at least 2", self.microbatches,
                  "pass --stages 2 or more, or drop --microbatches")

@@ -34,7 +34,17 @@ to the output stage on links of their own (``gather_state``), counted apart.
 Replicas (``--stages K --workers R``; ``--replicas`` is another name for ``--workers``)
 are synchronised stage by stage: ``train/stage_groups.py``.
 
-Not yet: checkpoints, torchrun, --kill and --slow of a stage, micro-batches (pipelines).
+Pipelines (--microbatches M, --schedule): a synchronous schedule (gpipe, 1f1b,
+interleaved, zb-h1) runs a step's M micro-batches in its order and leaves the whole
+batch's gradient for the synchroniser (``_pipelined_loss``); under interleaved the plan
+has K x v partitions, virtual stage u running on process u mod K as one of its model
+chunks (``stages.join_chunks``), and every link, tag and count is between processes; pipedream and pipedream-2bw are asynchronous
+(``_asynchronous_loss``): the op list covers the whole run, each synchroniser step runs
+the ops up to the next optimizer step (pipedream: one input's backward; 2bw: a batch's M
+micro-batches' last), inputs stay in flight across steps, and each forward and its
+backward use one stashed weight version (``stash.WeightStash``).
+
+Not yet: checkpoints, torchrun, --kill and --slow of a stage.
 """
 from __future__ import annotations
 
@@ -45,18 +55,21 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
+from torch.func import functional_call
 
 from plexus.cluster.group import Endpoint, Link, Work
 from plexus.cluster.rendezvous import store_barrier, store_get_json, store_set_json, wait_keys
 from plexus.cluster.traffic import Traffic
-from plexus.config import JobConfig
+from plexus.config import ASYNCHRONOUS_SCHEDULES, JobConfig
 from plexus.errors import ConfigError
 from plexus.parallel.partition import ModelGraph, PartitionPlan, Transfer, plan_partitions, trace_model
-from plexus.parallel.schedules import make_schedule, simulate
+from plexus.parallel.schedules import Op, make_schedule, simulate
 from plexus.parallel.stages import StageProgram, StageStep, build_stages, merge_state_dicts
+from plexus.parallel.split_backward import SplitBackward
+from plexus.parallel.stash import WeightStash
 from plexus.parallel.tensor import TensorPlan, merge_tensor_states, predict_traffic
 
 __all__ = ["StageExecutor", "gather_state", "stage_examples", "make_plan", "peak_bytes", "price_plan", "shared_plan",
@@ -92,7 +105,8 @@ def make_plan(cfg: JobConfig, model: torch.nn.Module, sample: torch.Tensor,
     optim = cfg.optim
     slots = {"adam": 2, "adagrad": 1}.get(optim.optimizer, 1 if optim.momentum > 0 else 0)
     points = cfg.parallel.split_point_names if split_points is None else split_points
-    plan = plan_partitions(graph, cfg.parallel.stages, method, split_points=points,
+    # --schedule interleaved: K x v partitions, process s running virtual stages s, K + s, ...
+    plan = plan_partitions(graph, cfg.parallel.stages * cfg.parallel.chunks, method, split_points=points,
                            memory_cap=cfg.parallel.stage_memory_bytes, optimizer_slots=slots,
                            bandwidth=cfg.cluster.net.bandwidth, latency=cfg.cluster.net.latency)
     if method == "time":
@@ -264,6 +278,13 @@ class _Deposit(torch.autograd.Function):
         return (None, None, *ctx.grads)
 
 
+def _chunk_weights(model: torch.nn.Module, program: StageProgram) -> dict[str, torch.Tensor]:
+    """``model``'s parameters (the synchroniser's model of a process, holding every chunk's
+    layers at their qualified names) that model chunk ``program`` computes with."""
+    params = dict(model.named_parameters())
+    return {name: params[name] for name, _ in program.module.named_parameters()}
+
+
 @dataclass
 class _Microbatch:
     """A micro-batch between its forward and its backward on one stage."""
@@ -275,6 +296,8 @@ class _Microbatch:
     x: torch.Tensor | None
     y: torch.Tensor | None
     held: int  # bytes of activations kept for its backward
+    # zb-h1: the backward B ran, its graph and the gradients W restarts from kept.
+    split: SplitBackward | None = None
 
 
 class StageExecutor:
@@ -307,24 +330,45 @@ class StageExecutor:
         # --microbatches M > 1: a pipeline, each step the M micro-batches' forwards and
         # backwards in the order ``schedule.ops(stage)`` gives (parallel/schedules.py).
         self.microbatches = cfg.parallel.microbatches
-        self.schedule = make_schedule(cfg.parallel.schedule, plan.stages, self.microbatches) \
-            if self.microbatches > 1 else None
+        # An asynchronous schedule (pipedream) lists the whole run, so it is made once the
+        # run's steps are known (``feed``); a synchronous one lists one step.
+        self.asynchronous = cfg.parallel.schedule in ASYNCHRONOUS_SCHEDULES
+        # Stage processes of the replica; under --schedule interleaved the plan's partitions
+        # are K x v virtual stages, virtual stage u running on process u mod K.
+        self.stages = cfg.parallel.stages
+        self.chunks = program.chunks or (program,)
+        self.schedule = make_schedule(cfg.parallel.schedule, self.stages, self.microbatches,
+                                      chunks=cfg.parallel.chunks) \
+            if self.microbatches > 1 and not self.asynchronous else None
+        self.weight_stashing, self.vertical_sync = cfg.parallel.weight_stashing, cfg.parallel.vertical_sync
+        self._batch_at: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._coming: Iterator[Op] = iter(())  # the run's ops not yet made (Schedule.iter_ops)
+        self._ahead: deque[Op] = deque()  # ops made but not yet run: a look ahead for the next forward
+        self._stash: WeightStash | None = None
+        self._live: dict[int, _Microbatch] = {}  # an asynchronous pipeline's inputs in flight, across steps
+        self._versions: dict[int, int] = {}  # their weight versions
+        self._fetched: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # the last mini-batch read
+        self.steps_done = 0  # optimizer steps this stage's synchroniser applied: the weights' version
+        # An asynchronous step's sends of forward values, which the next stage receives in
+        # its next step: waited for at the end of that step, not this one.
+        self._carried: list[Work] = []
         self.in_flight = 0  # the most micro-batches whose activations this stage held at once
         self.peak_activation_bytes = 0  # the most bytes of them, at once
         # --recompute: a micro-batch's forward keeps only its inputs; its backward runs it again.
         self.recompute = cfg.parallel.recompute
         self.pipeline_s = self.pipeline_idle_s = 0.0
-        self.op_seconds = {"forward": [0.0, 0], "backward": [0.0, 0]}  # [sum, count] of micro-batch ops
+        # [sum, count] of micro-batch ops; weight: zb-h1's W, apart from its B (backward).
+        self.op_seconds = {"forward": [0.0, 0], "backward": [0.0, 0], "weight": [0.0, 0]}
         self.batch = cfg.run.batch_size // replicas  # this replica's slice of the global batch
         self.k = k = program.index
         self.step_runner = StageStep(program)
         self.index = {t: i for i, t in enumerate(plan.transfers)}
         # One link per cut edge's pair of stages (its counters are that edge's traffic), and
         # one from every stage to the output stage for snapshots of the model, counted apart.
-        g = plan.output_stage
-        pairs = {(min(t.src, t.dst), max(t.src, t.dst), "edge") for t in plan.transfers}
+        g, K = plan.output_stage % self.stages, self.stages
+        pairs = {(min(t.src % K, t.dst % K), max(t.src % K, t.dst % K), "edge") for t in plan.transfers}
         if replica == 0 and shard == 0:  # replica 0's stages hold the model that is evaluated and saved
-            pairs |= {(min(j, g), max(j, g), "gather") for j in range(plan.stages) if j != g}
+            pairs |= {(min(j, g), max(j, g), "gather") for j in range(K) if j != g}
         self.links: dict[int, Link] = {}
         self.gather_links: dict[int, Link] = {}
         self.gather_traffic = Traffic()
@@ -358,7 +402,7 @@ class StageExecutor:
 
     def name(self, j: int, shard: int | None = None) -> str:
         """The process of stage ``j`` of this replica, this shard (or ``shard``)."""
-        return stage_name((self.replica * self.plan.stages + j) * self.shards + (self.shard if shard is None else shard))
+        return stage_name((self.replica * self.stages + j) * self.shards + (self.shard if shard is None else shard))
 
     def stage_state(self, module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
         """This stage's whole state_dict from ``module`` (its model, or its shard of it) on
@@ -404,7 +448,8 @@ class StageExecutor:
         at = forward
         # Inside the stage's part: waits, a pipeline's micro-batch forwards and backwards,
         # and computing in between.
-        for what, a, b in sorted([("wait", a, b) for a, b in waits] + self._ops, key=lambda span: span[1]):
+        ops = [("backward" if what == "weight" else what, a, b) for what, a, b in self._ops]  # W: a backward's part
+        for what, a, b in sorted([("wait", a, b) for a, b in waits] + ops, key=lambda span: span[1]):
             a = max(a, at)
             spans += [["compute", at, a], [what, a, b]]
             at = max(at, b)
@@ -418,6 +463,8 @@ class StageExecutor:
         p = self.program
         self._marks.setdefault("start", time.time())
         self._marks["forward"] = time.time()
+        if self.asynchronous:
+            return self._asynchronous_loss(model)
         if self.schedule is not None:
             return self._pipelined_loss(model, x, y)
         received = self._receive_values(self.batch, 0)
@@ -436,24 +483,26 @@ class StageExecutor:
         without a pipeline)."""
         return 2 * (self.index[transfer] + len(self.index) * microbatch) + int(grad)
 
-    def _receive_values(self, batch: int, microbatch: int) -> dict[str, torch.Tensor]:
-        """Every value that crosses into this stage for one (micro-)batch of ``batch``
-        samples, by producer."""
+    def _receive_values(self, batch: int, microbatch: int, program: StageProgram | None = None
+                        ) -> dict[str, torch.Tensor]:
+        """Every value that crosses into this stage (or its chunk ``program``) for one
+        (micro-)batch of ``batch`` samples, by producer."""
         received, wanted = {}, []
-        for t in self.program.receives:
+        for t in (program or self.program).receives:
             buf = torch.empty(t.shape_for(batch), dtype=getattr(torch, t.dtype), device=self.device)
             received[t.producer] = buf
-            wanted.append((t.src, self._tag(t, microbatch, False), buf))
+            wanted.append((t.src % self.stages, self._tag(t, microbatch, False), buf))
         self._recv_all(wanted)
         return received
 
-    def _receive_value_gradients(self, values: dict[str, torch.Tensor], microbatch: int
-                                 ) -> list[tuple[Transfer, torch.Tensor]]:
-        """The gradient of each value this stage sent (``values``, by producer), one per
-        transfer that carries one back, received contiguous whatever the value's strides."""
+    def _receive_value_gradients(self, values: dict[str, torch.Tensor], microbatch: int,
+                                 program: StageProgram | None = None) -> list[tuple[Transfer, torch.Tensor]]:
+        """The gradient of each value this stage (or its chunk ``program``) sent
+        (``values``, by producer), one per transfer that carries one back, received
+        contiguous whatever the value's strides."""
         wanted = [(t, torch.empty(values[t.producer].shape, dtype=values[t.producer].dtype,
-                                  device=values[t.producer].device)) for t in self.program.sends if t.grad]
-        self._recv_all([(t.dst, self._tag(t, microbatch, True), buf) for t, buf in wanted])
+                                  device=values[t.producer].device)) for t in (program or self.program).sends if t.grad]
+        self._recv_all([(t.dst % self.stages, self._tag(t, microbatch, True), buf) for t, buf in wanted])
         return wanted
 
     def _finish_sends(self) -> None:
@@ -466,13 +515,22 @@ class StageExecutor:
         self._waits.append((start, self._marks["backward"]))
 
     def _forward(self, model: torch.nn.Module, received: dict[str, torch.Tensor], x: torch.Tensor | None,
-                 y: torch.Tensor | None, grad: bool) -> "_Microbatch":
+                 y: torch.Tensor | None, grad: bool, weights: dict[str, torch.Tensor] | None = None,
+                 program: StageProgram | None = None) -> "_Microbatch":
         """One micro-batch's forward (and loss, weighted 1/M, on the output stage), and
         the bytes of activations it leaves for its backward: what autograd saved, apart
-        from the parameters (``grad``), or, recomputing, only its inputs."""
-        p = self.program
+        from the parameters (``grad``), or, recomputing, only its inputs. ``weights``:
+        parameters to run ``model`` with instead of its own (a stashed version).
+        ``program``: the model chunk to run (interleaved), with ``model``'s parameters."""
+        p = program or self.program
         runner = StageStep(p)
-        params = {q.data_ptr() for q in model.parameters()}
+        if program is not None and program is not self.program:
+            target = program.module
+            weights = weights if weights is not None else _chunk_weights(model, program)
+        else:
+            target = model
+        params = {q.data_ptr() for q in (model.parameters() if weights is None else weights.values())}
+        module = target if weights is None else (lambda *args: functional_call(target, weights, args))
         saved: dict[int, int] = {}
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -481,7 +539,7 @@ class StageExecutor:
             return tensor
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), torch.set_grad_enabled(grad):
-            values = runner.forward(received, {name: x for name in p.model_inputs}, module=model)
+            values = runner.forward(received, {name: x for name in p.model_inputs}, module=module)
             loss = self.criterion(values[p.output], y) / self.microbatches if p.output is not None else None
         held = sum(saved.values()) if grad else \
             sum(v.numel() * v.element_size() for v in (*received.values(), *([x] if p.model_inputs else [])))
@@ -494,57 +552,221 @@ class StageExecutor:
         neighbouring stages as a step of one batch does; the gradients accumulate apart
         from the parameters and are deposited by the returned loss's backward (``_Deposit``),
         each micro-batch's loss weighted 1/M, so that the step's gradient is the whole
-        batch's mean loss's, as in one process."""
-        p, m_count = self.program, self.microbatches
+        batch's mean loss's, as in one process.
+
+        Under zb-h1 (``splits_backward``) B differentiates only the received values and
+        sends their gradients back at once; W, later, takes the parameters' gradients from
+        where B left them (``SplitBackward``: only the weight products, unless the graph
+        cannot be split, where W is a whole backward again). Under interleaved each op
+        names its model chunk, a program of its own with its own transfers."""
+        m_count = self.microbatches
+        split = self.schedule.splits_backward
         batch = self.batch // m_count
         xs = x.split(batch) if x is not None else [None] * m_count
         ys = y.split(batch) if y is not None else [None] * m_count
         params = [q for q in model.parameters() if q.requires_grad]
         grads = [torch.zeros_like(q) for q in params]
-        live: dict[int, _Microbatch] = {}
+        # (micro-batch, chunk) -> its forward's values and graph, until its backward (W under zb-h1)
+        live: dict[tuple[int, int], _Microbatch] = {}
         total = torch.zeros((), device=self.device)
         start, waited = time.time(), len(self._waits)
         for op in self.schedule.ops(self.k):
-            m = op.microbatch
+            m, key, chunk = op.microbatch, (op.microbatch, op.chunk), self.chunks[op.chunk]
             if op.kind == "F":
-                received = self._receive_values(batch, m)
+                received = self._receive_values(batch, m, chunk)
                 began = time.time()
-                mb = self._forward(model, received, xs[m], ys[m], grad=not self.recompute)
+                mb = self._forward(model, received, xs[m], ys[m], grad=not self.recompute, program=chunk)
                 self._ops.append(("forward", began, time.time()))
-                for t in p.sends:
-                    self._send(t.dst, self._tag(t, m, False), mb.values[t.producer])
+                for t in chunk.sends:
+                    self._send(t.dst % self.stages, self._tag(t, m, False), mb.values[t.producer])
                 if mb.loss is not None:
                     total = total + mb.loss.detach()
-                live[m] = mb
+                live[key] = mb
                 self.in_flight = max(self.in_flight, len(live))
                 self.peak_activation_bytes = max(self.peak_activation_bytes, sum(b.held for b in live.values()))
                 continue
-            mb = live.pop(m)
-            wanted = self._receive_value_gradients(mb.values, m)
+            if op.kind == "W":
+                mb = live.pop(key)
+                began = time.time()
+                for acc, g in zip(grads, mb.split.weight_gradients()):
+                    if g is not None:
+                        acc.add_(g)
+                self._ops.append(("weight", began, time.time()))
+                continue
+            mb = live[key] if split else live.pop(key)
+            wanted = self._receive_value_gradients(mb.values, m, chunk)
             began = time.time()
             if self.recompute:  # the forward again, now keeping what backward needs
-                mb = self._forward(model, mb.received, mb.x, mb.y, grad=True)
-            runner, values, loss = mb.runner, mb.values, mb.loss
-            tensors, seeds = ([loss], [torch.ones_like(loss)]) if loss is not None else ([], [])
+                mb = self._forward(model, mb.received, mb.x, mb.y, grad=True, program=chunk)
+                if split:
+                    live[key] = mb
+            tensors, seeds = ([mb.loss], [torch.ones_like(mb.loss)]) if mb.loss is not None else ([], [])
             for t, buf in wanted:
-                tensors.append(values[t.producer])
+                tensors.append(mb.values[t.producer])
                 seeds.append(buf)
-            leaves = [(t, leaf) for t, leaf in runner.leaves if t.grad]
-            inputs = [*params, *(leaf for _, leaf in leaves)]
-            got = torch.autograd.grad(tensors, inputs, seeds, allow_unused=True) if tensors and inputs else []
-            for acc, g in zip(grads, got[:len(params)]):
-                if g is not None:
-                    acc.add_(g)
+            leaves = [(t, leaf) for t, leaf in mb.runner.leaves if t.grad]
+            if split:  # the input gradient only; the parameters' wait for W
+                mb.split = SplitBackward(tensors, seeds, [leaf for _, leaf in leaves], params)
+                got = mb.split.input_gradients()
+            else:
+                got = self._accumulate(grads, params, tensors, seeds, [leaf for _, leaf in leaves])
             self._ops.append(("backward", began, time.time()))
-            for (t, leaf), g in zip(leaves, got[len(params):]):
-                self._send(t.src, self._tag(t, m, True), g if g is not None else torch.zeros_like(leaf))
+            for (t, leaf), g in zip(leaves, got):
+                self._send(t.src % self.stages, self._tag(t, m, True), g if g is not None else torch.zeros_like(leaf))
         self._finish_sends()
         self.pipeline_s += self._marks["backward"] - start
         for kind, a, b in self._ops:
             self.op_seconds[kind][0] += b - a
             self.op_seconds[kind][1] += 1
         self.pipeline_idle_s += sum(b - a for a, b in self._waits[waited:])
+        return self._deposit(grads, total, params)
+
+    def _deposit(self, grads: list[torch.Tensor], total: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+        """The step's loss, whose backward leaves ``grads`` in ``params`` (``_Deposit``). A
+        stage without parameters (an interleaved chunk of a flatten alone, say) still
+        returns a loss that ``backward()`` accepts: tied to the anchor, gradient zero."""
+        if not params:
+            return total + 0 * self._anchor
         return _Deposit.apply(grads, total, *params)
+
+    @staticmethod
+    def _accumulate(grads: list[torch.Tensor], params: list[torch.Tensor], tensors: list[torch.Tensor],
+                    seeds: list[torch.Tensor], leaves: list[torch.Tensor] = ()) -> list[torch.Tensor | None]:
+        """Add to ``grads`` the gradients of ``params`` from the backward of ``tensors``
+        seeded with ``seeds`` (freeing the graph); returns those of ``leaves`` too."""
+        inputs = [*params, *leaves]
+        got = torch.autograd.grad(tensors, inputs, seeds, allow_unused=True) if tensors and inputs else \
+            [None] * len(inputs)
+        for acc, g in zip(grads, got[:len(params)]):
+            if g is not None:
+                acc.add_(g)
+        return list(got[len(params):])
+
+    def feed(self, batch_at: Callable[[int], tuple[torch.Tensor, torch.Tensor]], steps: int) -> None:
+        """Where an asynchronous pipeline reads its inputs, and how long the run is:
+        ``batch_at(t)`` is this replica's batch (x, y) of step t, and the run makes
+        ``steps`` steps. Step t's ``loss_fn`` runs the stage's ops up to its t-th optimizer
+        step (the op with ``step``), which includes forwards of inputs of later steps:
+        hence the batches by step, not the batch the synchroniser passes. The schedule
+        lists the whole run, so the pipeline fills once and drains once, at the run's end.
+        Nothing to do under a synchronous schedule, whose step holds its micro-batches."""
+        if not self.asynchronous:
+            return
+        cfg = self.cfg.parallel
+        self._batch_at = batch_at
+        self.schedule = make_schedule(cfg.schedule, self.stages, self.microbatches,
+                                      vertical_sync=self.vertical_sync, minibatches=steps)
+        self._coming, self._ahead = self.schedule.iter_ops(self.k), deque()
+
+    def _next_op(self) -> Op | None:
+        """The next op of an asynchronous pipeline's run; None once the run is done."""
+        return self._ahead.popleft() if self._ahead else next(self._coming, None)
+
+    def _next_forward_version(self) -> int | None:
+        """The weight version the next forward asks for; None when no forward is left."""
+        for op in self._ahead:
+            if op.kind == "F":
+                return op.version
+        for op in self._coming:
+            self._ahead.append(op)
+            if op.kind == "F":
+                return op.version
+        return None
+
+    def _input(self, m: int, batch: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Input ``m`` of an asynchronous pipeline, micro-batch m mod M of mini-batch m div
+        M (each step's batch is one mini-batch), on the stages that read the data."""
+        p = self.program
+        if not p.model_inputs and p.output is None:
+            return None, None
+        g, j = divmod(m, self.microbatches)
+        if self._fetched is None or self._fetched[0] != g:
+            self._fetched = (g, self._batch_at(g))
+        x, y = self._fetched[1]
+        return x[j * batch:(j + 1) * batch], y[j * batch:(j + 1) * batch]
+
+    def _asynchronous_loss(self, model: torch.nn.Module) -> torch.Tensor:
+        """One step of an asynchronous pipeline (pipedream): the stage's ops from where
+        the last step stopped up to the next that steps the optimizer, each forward with
+        the weight version its op names and each backward differentiating that same
+        version (``WeightStash``; the newest weights under --no-weight-stashing). Inputs
+        stay in flight across steps, the pipeline never flushes. The gradients are
+        deposited into the live parameters by the returned loss's backward
+        (``_Deposit``), as in a synchronous step, and the synchroniser steps: this
+        stage's version ``steps_done`` + 1. The loss is that of the inputs whose backward
+        ran (the output stage runs an input's forward and backward in one step)."""
+        if self._batch_at is None:
+            raise RuntimeError(f"stage {self.k}: --schedule {self.cfg.parallel.schedule} reads future batches; "
+                               f"call feed(batch_at, steps) before the first step")
+        p = self.program
+        batch = self.batch // self.microbatches
+        # Tags repeat every few inputs: fewer than 2K are ever in flight on a link.
+        window = 4 * self.stages
+        if self._stash is None or self._stash.module is not model:
+            self._stash = WeightStash(model)
+        stash = self._stash
+        coming = self._next_forward_version()
+        if coming is not None and coming <= self.steps_done:  # a forward will run on these weights
+            stash.keep(self.steps_done)
+        params = stash.live
+        grads = [torch.zeros_like(q) for q in params]
+        total = torch.zeros((), device=self.device)
+        start, waited = time.time(), len(self._waits)
+        fresh: list[Work] = []  # this step's sends of forward values
+        while (op := self._next_op()) is not None:
+            m, tag = op.microbatch, op.microbatch % window
+            if op.kind == "F":
+                x, y = self._input(m, batch)
+                received = self._receive_values(batch, tag)
+                began = time.time()
+                mb = self._forward(model, received, x, y, grad=True, weights=stash.weights(op.version))
+                self._ops.append(("forward", began, time.time()))
+                sent = len(self._sends)
+                for t in p.sends:
+                    self._send(t.dst, self._tag(t, tag, False), mb.values[t.producer])
+                fresh += self._sends[sent:]
+                del self._sends[sent:]
+                self._live[m], self._versions[m] = mb, op.version
+                self.in_flight = max(self.in_flight, len(self._live))
+                self.peak_activation_bytes = max(self.peak_activation_bytes,
+                                                 sum(b.held for b in self._live.values()))
+            else:
+                mb = self._live.pop(m)
+                del self._versions[m]
+                wanted = self._receive_value_gradients(mb.values, tag)
+                began = time.time()
+                tensors, seeds = ([mb.loss], [torch.ones_like(mb.loss)]) if mb.loss is not None else ([], [])
+                for t, buf in wanted:
+                    tensors.append(mb.values[t.producer])
+                    seeds.append(buf)
+                leaves = [(t, leaf) for t, leaf in mb.runner.leaves if t.grad]
+                got, back = stash.gradients(op.version, tensors, seeds, [leaf for _, leaf in leaves],
+                                            stashing=self.weight_stashing)
+                for acc, g in zip(grads, got):
+                    if g is not None:
+                        acc.add_(g)
+                if mb.loss is not None:
+                    total = total + mb.loss.detach()
+                self._ops.append(("backward", began, time.time()))
+                for (t, leaf), g in zip(leaves, back):
+                    self._send(t.src, self._tag(t, tag, True), g if g is not None else torch.zeros_like(leaf))
+            stash.drop(set(self._versions.values()), self._next_forward_version())
+            if op.step:
+                break
+        self.steps_done += 1
+        # The last step's forward values have been received by now: the next stage asked
+        # for them before it sent this step's gradients. This step's may not have been, and
+        # on a transport whose send completes only once received (gloo over sockets),
+        # waiting for them would hang a run that stops here (--time-limit).
+        self._sends += self._carried
+        self._carried = fresh
+        self._finish_sends()
+        self.pipeline_s += self._marks["backward"] - start
+        for kind, a, b in self._ops:
+            self.op_seconds[kind][0] += b - a
+            self.op_seconds[kind][1] += 1
+        self.pipeline_idle_s += sum(b - a for a, b in self._waits[waited:])
+        return self._deposit(grads, total, params)
 
     def _receive_gradients(self) -> list[torch.Tensor]:
         """The gradients of the values this stage sent, summed over the stages each went to."""
@@ -596,7 +818,12 @@ class StageExecutor:
             recv[str(peer)] = [row["msgs_recv"], row["bytes_recv"]]
         # A pipeline sends each transfer once per micro-batch, a 1/M share of the batch each.
         m_count = self.microbatches
-        predicted = {f"{s}->{d}": [m * steps * m_count, b * steps] for (s, d), (m, b) in self.plan.traffic().items()
+        # Under interleaved, the edges between virtual stages that join the same two processes, summed.
+        per_step: dict[tuple[int, int], list[int]] = {}
+        for (s, d), (m, b) in self.plan.traffic().items():
+            pair = per_step.setdefault((s % self.stages, d % self.stages), [0, 0])
+            pair[0], pair[1] = pair[0] + m, pair[1] + b
+        predicted = {f"{s}->{d}": [m * steps * m_count, b * steps] for (s, d), (m, b) in per_step.items()
                      if self.k in (s, d)}
         tensor = {}
         if self.tensor_plan is not None:
@@ -610,7 +837,7 @@ class StageExecutor:
                       "tensor_layers": [[split.name, split.kind] for split in self.tensor_plan.layers]}
         pipeline = {}
         if self.schedule is not None:
-            pipeline = {"microbatches": self.microbatches, "schedule": self.schedule.name,
+            pipeline = {"microbatches": self.microbatches, "schedule": self.schedule.name, "chunks": len(self.chunks),
                         "max_in_flight": self.in_flight, "peak_activation_bytes": self.peak_activation_bytes,
                         "recompute": self.recompute, "pipeline_seconds": self.pipeline_s,
                         "pipeline_idle_seconds": self.pipeline_idle_s,
@@ -618,8 +845,15 @@ class StageExecutor:
                         "predicted_bubble": self.schedule.predicted_bubble(),
                         **{f"{kind}_op_seconds": total / count if count else None
                            for kind, (total, count) in self.op_seconds.items()}}
+            if self.asynchronous:  # the run's mini-batches (--time-limit: those made) and the versions kept
+                made = make_schedule(self.cfg.parallel.schedule, self.stages, self.microbatches,
+                                     vertical_sync=self.vertical_sync, minibatches=max(1, steps))
+                pipeline.update(minibatches=max(1, steps), predicted_bubble=made.predicted_bubble(),
+                                weight_stashing=self.weight_stashing, vertical_sync=self.vertical_sync,
+                                weight_versions=self._stash.peak if self._stash is not None else 0)
         return {"stage": self.k, "replica": self.replica, "shard": self.shard, "steps": steps, **tensor, **pipeline,
-                "nodes": list(self.plan.partitions[self.k].compute), "compute_seconds": self.compute_s,
+                "nodes": [n for c in self.chunks for n in self.plan.partitions[c.index].compute],
+                "compute_seconds": self.compute_s,
                 "idle_seconds": self.idle_s, "sync_seconds": self.sync_s,
                 "timeline": [span for step in self.timeline for span in step],
                 "peak_memory_bytes": peak_bytes(self.device),
@@ -646,7 +880,7 @@ def gather_state(own: "StageExecutor", programs: list[StageProgram], module: tor
     state = own.stage_state(module)
     if state is None:
         return None
-    g = own.plan.output_stage
+    g = own.plan.output_stage % own.stages
     if own.k != g:
         _send_state(own.gather_links[g], state)
         return None
@@ -725,7 +959,8 @@ def stage_summary(records: dict[int, dict[str, Any]]) -> dict[str, Any]:
             "params", "bytes_sent", "bytes_recv", "snapshot_bytes_sent", "sync_bytes_sent", "sync_bytes_recv",
             "tensor_layers", "tensor_messages_sent", "tensor_bytes_sent", "tensor_messages_recv", "tensor_bytes_recv",
             "predicted_tensor_messages", "predicted_tensor_bytes", "max_in_flight", "peak_activation_bytes",
-            "pipeline_seconds", "pipeline_idle_seconds", "bubble", "forward_op_seconds", "backward_op_seconds")
+            "pipeline_seconds", "pipeline_idle_seconds", "bubble", "forward_op_seconds", "backward_op_seconds",
+            "weight_op_seconds", "weight_versions")
     ordered = sorted(records.values(), key=lambda r: (r.get("replica", 0), r["stage"], r.get("shard", 0)))
     stages = [{key: rec[key] for key in keys if key in rec} for rec in ordered]
     out = {"stages": stages, "stage_traffic": rows, "traffic_matches_plan": ok and bool(records)}
@@ -741,9 +976,15 @@ def stage_summary(records: dict[int, dict[str, Any]]) -> dict[str, Any]:
         # with transfers and the time between ops left out.
         lane = sorted((rec for rec in piped if rec.get("replica", 0) == 0 and rec.get("shard", 0) == 0),
                       key=lambda rec: rec["stage"])
-        schedule = make_schedule(lane[0]["schedule"], len(lane), lane[0]["microbatches"])
-        simulated = simulate(schedule, [rec["forward_op_seconds"] for rec in lane],
-                             [rec["backward_op_seconds"] for rec in lane]).bubble
+        v = lane[0].get("chunks", 1)
+        schedule = make_schedule(lane[0]["schedule"], len(lane), lane[0]["microbatches"], chunks=v,
+                                 vertical_sync=lane[0].get("vertical_sync", False),
+                                 minibatches=lane[0].get("minibatches"))
+        # Under zb-h1 backward_op_seconds is B's and weight_op_seconds W's. simulate takes a
+        # stage's cost of a micro-batch, which interleaved runs as v chunk ops, each measured.
+        weights = [rec["weight_op_seconds"] for rec in lane] if schedule.splits_backward else None
+        simulated = simulate(schedule, [v * rec["forward_op_seconds"] for rec in lane],
+                             [v * rec["backward_op_seconds"] for rec in lane], weights).bubble
         # The bubble: the share of the pipelined part of its steps each stage spent waiting,
         # averaged over the stage processes, beside the schedule's closed form.
         out["pipeline"] = {"schedule": piped[0]["schedule"], "microbatches": piped[0]["microbatches"],
@@ -753,6 +994,9 @@ def stage_summary(records: dict[int, dict[str, Any]]) -> dict[str, Any]:
                            "max_in_flight": max(rec["max_in_flight"] for rec in piped),
                            "peak_activation_bytes": max(rec["peak_activation_bytes"] for rec in piped),
                            "recompute": piped[0]["recompute"]}
+        if "weight_stashing" in piped[0]:
+            out["pipeline"].update({key: piped[0][key] for key in ("weight_stashing", "vertical_sync", "minibatches")},
+                                   weight_versions=max(rec["weight_versions"] for rec in piped))
     replicas = {rec.get("replica", 0) for rec in records.values()}
     if len(replicas) > 1:
         out["replicas"] = len(replicas)

@@ -32,7 +32,7 @@ whether the stage steps after it, so the executor never derives either.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Iterator, Literal, Sequence
 
 from plexus.errors import ConfigError, PlexusError
 
@@ -104,6 +104,12 @@ class Schedule:
 
     def _ops(self, stage: int) -> list[Op]:
         raise NotImplementedError
+
+    def iter_ops(self, stage: int) -> Iterator[Op]:
+        """``ops(stage)`` one at a time. The asynchronous schedules make each op as it is
+        asked for: their lists cover a training run, which under --time-limit is as long
+        as the time allows (2**62 steps, runner.total_steps), too long to hold."""
+        return iter(self.ops(stage))
 
     def predicted_bubble(self) -> float:
         """Closed-form idle share of a stage's time over the op lists (equal op costs)."""
@@ -179,11 +185,25 @@ def _replace(op: Op, **changes: object) -> Op:
 def _one_f_one_b(stages: int, stage: int, inputs: int) -> list[Op]:
     """K-s-1 forwards to fill the pipeline, then one forward and one backward in turn, then
     the backwards left: stage s never holds more than K-s micro-batches."""
+    return list(_one_f_one_b_lazily(stages, stage, inputs))
+
+
+def _one_f_one_b_lazily(stages: int, stage: int, inputs: int) -> Iterator[Op]:
+    """``_one_f_one_b``'s ops, one at a time."""
     warmup = min(stages - stage - 1, inputs)
-    ops = [Op("F", m) for m in range(warmup)]
+    for m in range(warmup):
+        yield Op("F", m)
     for m in range(inputs - warmup):
-        ops += [Op("F", m + warmup), Op("B", m)]
-    return ops + [Op("B", m) for m in range(inputs - warmup, inputs)]
+        yield Op("F", m + warmup)
+        yield Op("B", m)
+    for m in range(inputs - warmup, inputs):
+        yield Op("B", m)
+
+
+def _checked(schedule: "Schedule", stage: int) -> int:
+    if not 0 <= stage < schedule.stages:
+        raise ValueError(f"stage must lie in [0, {schedule.stages}), got {stage}")
+    return stage
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -308,9 +328,12 @@ class PipeDream(Schedule):
     vertical_sync: bool = False
 
     def _ops(self, stage: int) -> list[Op]:
-        lag = self.stages - 1 - (0 if self.vertical_sync else stage)
-        return [Op(op.kind, op.microbatch, version=max(0, op.microbatch - lag), step=op.kind == "B")
-                for op in _one_f_one_b(self.stages, stage, self.microbatches)]
+        return list(self.iter_ops(stage))
+
+    def iter_ops(self, stage: int) -> Iterator[Op]:
+        lag = self.stages - 1 - (0 if self.vertical_sync else _checked(self, stage))
+        return (Op(op.kind, op.microbatch, version=max(0, op.microbatch - lag), step=op.kind == "B")
+                for op in _one_f_one_b_lazily(self.stages, stage, self.microbatches))
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -343,10 +366,13 @@ class PipeDream2BW(Schedule):
         return self.microbatches * self.minibatches
 
     def _ops(self, stage: int) -> list[Op]:
+        return list(self.iter_ops(stage))
+
+    def iter_ops(self, stage: int) -> Iterator[Op]:
         m = self.microbatches
-        return [Op(op.kind, op.microbatch, version=max(0, op.microbatch // m - 1),
+        return (Op(op.kind, op.microbatch, version=max(0, op.microbatch // m - 1),
                    step=op.kind == "B" and op.microbatch % m == m - 1)
-                for op in _one_f_one_b(self.stages, stage, self.inputs)]
+                for op in _one_f_one_b_lazily(self.stages, _checked(self, stage), self.inputs))
 
 
 @dataclass(frozen=True)
@@ -372,13 +398,14 @@ class Timeline:
 
 
 def simulate(schedule: Schedule, forward: float | Sequence[float] = 1.0, backward: float | Sequence[float] = 2.0,
-             weight: float | None = None) -> Timeline:
+             weight: float | Sequence[float] | None = None) -> Timeline:
     """Run ``schedule``'s op lists in virtual time: ops of a stage one after another, each
     starting once the op it depends on in the neighbouring stage has ended (communication
     free). ``forward`` and ``backward`` are a stage's costs for one micro-batch: one for
     every stage, or one per stage (measured costs, say; a chunk op costs 1/v of them).
     Under zb-h1 ``backward`` is B's cost and ``weight`` W's; both default to half of
-    ``backward``, the split of a whole backward into two equal halves. Raises
+    ``backward``, the split of a whole backward into two equal halves; ``weight`` too may
+    be one per stage. Raises
     ScheduleError when an op depends on one that never runs (a deadlock)."""
     k, v = schedule.stages, schedule.chunks
     forwards = [float(forward)] * k if isinstance(forward, (int, float)) else [float(f) for f in forward]
@@ -386,7 +413,12 @@ def simulate(schedule: Schedule, forward: float | Sequence[float] = 1.0, backwar
     if len(forwards) != k or len(backwards) != k:
         raise ConfigError(f"simulate: {k} stages need {k} forward and backward costs, got {len(forwards)} and "
                           f"{len(backwards)}")
-    weights = [weight if weight is not None else b / 2 for b in backwards]
+    if weight is None:
+        weights = [b / 2 for b in backwards]
+    else:
+        weights = [float(weight)] * k if isinstance(weight, (int, float)) else [float(w) for w in weight]
+        if len(weights) != k:
+            raise ConfigError(f"simulate: {k} stages need {k} weight-gradient costs, got {len(weights)}")
     if schedule.splits_backward and weight is None:
         backwards = [b / 2 for b in backwards]
     costs = [{"F": forwards[s] / v, "B": backwards[s] / v, "W": (weights[s] if schedule.splits_backward else 0.0) / v}
@@ -431,8 +463,11 @@ _CLASSES: dict[str, type[Schedule]] = {"gpipe": GPipe, "1f1b": OneFOneB, "interl
                                        "zb-h1": ZeroBubbleH1, "pipedream": PipeDream, "pipedream-2bw": PipeDream2BW}
 
 
-def make_schedule(name: str, stages: int, microbatches: int, chunks: int = 1, vertical_sync: bool = False) -> Schedule:
-    """The schedule ``--schedule name`` names; ConfigError (one line) on bad input."""
+def make_schedule(name: str, stages: int, microbatches: int, chunks: int = 1, vertical_sync: bool = False,
+                  minibatches: int | None = None) -> Schedule:
+    """The schedule ``--schedule name`` names; ConfigError (one line) on bad input.
+    ``minibatches``: the mini-batches an asynchronous schedule's lists cover (a run's
+    steps); pipedream's inputs are then ``microbatches`` x ``minibatches``."""
     if name not in _CLASSES:
         raise ConfigError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {name!r}")
     if vertical_sync and name != "pipedream":
@@ -440,5 +475,8 @@ def make_schedule(name: str, stages: int, microbatches: int, chunks: int = 1, ve
     if name == "interleaved":
         return Interleaved(stages=stages, microbatches=microbatches, chunks=chunks)
     if name == "pipedream":
-        return PipeDream(stages=stages, microbatches=microbatches, chunks=chunks, vertical_sync=vertical_sync)
+        return PipeDream(stages=stages, microbatches=microbatches * (minibatches or 1), chunks=chunks,
+                         vertical_sync=vertical_sync)
+    if name == "pipedream-2bw" and minibatches is not None:
+        return PipeDream2BW(stages=stages, microbatches=microbatches, chunks=chunks, minibatches=minibatches)
     return _CLASSES[name](stages=stages, microbatches=microbatches, chunks=chunks)

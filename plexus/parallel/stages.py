@@ -29,7 +29,7 @@ from torch import fx
 from plexus.errors import ConfigError
 from plexus.parallel.partition import ModelGraph, PartitionPlan, Transfer
 
-__all__ = ["StageProgram", "StageStep", "build_stages", "forward_backward", "merge_state_dicts"]
+__all__ = ["StageProgram", "StageStep", "build_stages", "forward_backward", "join_chunks", "merge_state_dicts"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -52,6 +52,10 @@ class StageProgram:
     # The node whose value the model returns, when this stage holds it (the loss is
     # computed here), else None.
     output: str | None
+    # --schedule interleaved: the process's model chunks (virtual stages c*K + index, in
+    # chunk order), whose programs run; ``module`` then holds their layers for the
+    # synchroniser. Empty otherwise: the program is its own one chunk.
+    chunks: tuple["StageProgram", ...] = ()
 
 
 def build_stages(graph: ModelGraph, plan: PartitionPlan, *, share: bool = False) -> list[StageProgram]:
@@ -152,6 +156,57 @@ class StageStep:
                 for t, leaf in self._leaves if t.grad}
         self._leaves, self._outputs = [], {}
         return back
+
+
+def _graft(root: torch.nn.Module, path: str, module: torch.nn.Module) -> None:
+    """Put ``module`` at qualified name ``path`` under ``root``, making the modules on the
+    way; ConfigError when another module is there already (two chunks sharing a layer)."""
+    *parents, last = path.split(".")
+    at = root
+    for part in parents:
+        if not hasattr(at, part):
+            at.add_module(part, torch.nn.Module())
+        at = getattr(at, part)
+    there = getattr(at, last, None)
+    if there is not None and there is not module:
+        raise ConfigError(f"{path} is used by two model chunks of one process under --schedule interleaved: "
+                          f"layers shared between chunks are not supported; use --schedule 1f1b")
+    if there is None:
+        at.add_module(last, module)
+
+
+def join_chunks(programs: Sequence[StageProgram], processes: int) -> list[StageProgram]:
+    """``programs`` (one per virtual stage of an interleaved plan, K*v of them) as one
+    program per process: process s runs virtual stages s, K + s, ... (Narayanan et al.
+    2021's assignment). Its ``module`` holds the chunks' layers at their qualified names,
+    the same objects, so its state_dict is the chunks' together with the whole model's
+    keys and training it trains them. With one chunk per process, ``programs`` as given."""
+    if len(programs) == processes:
+        return list(programs)
+    v = len(programs) // processes
+    joined = []
+    for s in range(processes):
+        chunks = tuple(programs[c * processes + s] for c in range(v))
+        root = torch.nn.Module()
+        for chunk in chunks:
+            for t in chunk.sends:
+                if t.dst % processes == s:
+                    raise ConfigError(f"value {t.producer} goes from virtual stage {t.src} to {t.dst}, two chunks of "
+                                      f"process {s} under --schedule interleaved: values between chunks of one "
+                                      f"process are not supported; use --schedule 1f1b or other --chunks")
+            for name, module in chunk.module.named_modules():
+                own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+                if name and own:
+                    _graft(root, name, module)
+                elif own:
+                    raise ConfigError(f"chunk {chunk.index} holds tensors at its root ({own[0][0]}): "
+                                      f"--schedule interleaved needs every parameter inside a submodule")
+        joined.append(StageProgram(
+            index=s, module=root, inputs=(), outputs=(),  # type: ignore[arg-type]
+            model_inputs=frozenset().union(*(c.model_inputs for c in chunks)),
+            receives=tuple(t for c in chunks for t in c.receives), sends=tuple(t for c in chunks for t in c.sends),
+            output=next((c.output for c in chunks if c.output is not None), None), chunks=chunks))
+    return joined
 
 
 def _dataflow_order(stages: Sequence[StageProgram]) -> list[StageProgram]:

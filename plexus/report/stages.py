@@ -186,7 +186,11 @@ def pipeline_line(summary: Mapping[str, Any]) -> str | None:
         return None
     measured, predicted, simulated = figures
     held = mib(p.get("peak_activation_bytes"))
-    return (f"{p.get('schedule')} over {p.get('microbatches')} micro-batches"
+    # An asynchronous schedule (pipedream) lists the whole run: its mini-batches, never flushed.
+    over = (f"{p.get('minibatches')} mini-batches, never flushed, weight stashing "
+            f"{'on' if p.get('weight_stashing') else 'off'}{', vertical sync' if p.get('vertical_sync') else ''}"
+            if "minibatches" in p else f"{p.get('microbatches')} micro-batches")
+    return (f"{p.get('schedule')} over {over}"
             f"{' with recomputation' if p.get('recompute') else ''}: bubble {measured:.3f} measured, "
             f"{predicted:.3f} by the closed form, {simulated:.3f} simulated from the stages' measured op costs; "
             f"at most {p.get('max_in_flight')} micro-batches"

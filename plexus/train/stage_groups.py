@@ -22,7 +22,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from plexus.config import JobConfig, ParallelConfig
+from plexus.config import ASYNCHRONOUS_SCHEDULES, JobConfig, ParallelConfig
 from plexus.config.applies import applies
 from plexus.config.defaults import is_asynchronous
 from plexus.errors import ConfigError
@@ -79,9 +79,18 @@ def check_stages(cfg: JobConfig) -> None:
     if share % m_count:
         raise ConfigError(f"--microbatches {m_count} must divide each replica's batch ({share} = --batch-size "
                           f"{cfg.run.batch_size} / {replicas} replicas): pass a --microbatches that divides {share}")
-    if m_count == 1 and settings["schedule"]["source"] != "default":
-        raise ConfigError(f"--schedule orders the micro-batches of a pipeline, and there is one: pass --microbatches "
-                          f"M (2 or more), or drop --schedule")
+    asynchronous = cfg.parallel.schedule in ASYNCHRONOUS_SCHEDULES
+    if asynchronous and replicas > 1 and not is_asynchronous(cfg.to_flat()):
+        sync = f"{s.strategy} {s.consistency}" if s.strategy in ("ps", "tree-ps") else s.strategy
+        stale = "up to K-1 steps" if cfg.parallel.schedule == "pipedream" else "one step"
+        raise ConfigError(f"--schedule {cfg.parallel.schedule} with {replicas} replicas needs an asynchronous strategy "
+                          f"(ps or tree-ps with --consistency asp, ssp or softsync): its gradients are of weights "
+                          f"{stale} old, which breaks what synchronous {sync} promises across replicas (each "
+                          f"step, every replica's gradient of the same weights); pass --strategy ps --consistency "
+                          f"asp, or --workers 1")
+    if m_count == 1 and not asynchronous and settings["schedule"]["source"] != "default":
+        raise ConfigError("--schedule orders the micro-batches of a pipeline, and there is one: pass --microbatches "
+                          "M (2 or more), or drop --schedule")
     shards = cfg.parallel.tensor_parallel
     if shards > 1 and replicas > 1 and (s.strategy not in ("allreduce", "gossip", "local-sgd")
                                         or is_asynchronous(cfg.to_flat())):

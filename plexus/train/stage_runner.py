@@ -41,7 +41,7 @@ from plexus.config import JobConfig
 from plexus.config.defaults import is_asynchronous
 from plexus.cluster.group import Group
 from plexus.parallel.executor import StageExecutor, gather_state, shared_plan, stage_examples, stage_name
-from plexus.parallel.stages import build_stages
+from plexus.parallel.stages import build_stages, join_chunks
 from plexus.parallel.tensor import plan_tensor_split, shard_module
 from plexus.strategies import create_strategy
 from plexus.strategies.base import Context, LossFn, StepStats, Strategy, make_optimizer
@@ -109,7 +109,7 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
     share = batch // replicas  # this replica's samples per step (config checks B % R == 0)
     graph, plan, predicted = shared_plan(cfg, i, store, model, data.x_train[:share],
                                          optimizer=lambda params: make_optimizer(params, cfg.optim))
-    programs = build_stages(graph, plan)
+    programs = join_chunks(build_stages(graph, plan), stages)  # interleaved: a process's v model chunks as one
     program = programs[k]
     tensor = None
     if shards > 1:  # this process holds shard t of the stage's split layers (parallel/tensor.py)
@@ -119,7 +119,7 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
         program = dataclasses.replace(program, module=shard_module(program.module, split, t, shards, tp_group))
         tensor = (split, tp_group)
     program.module.to(device)
-    g = plan.output_stage
+    g = plan.output_stage % stages  # the process of the output's (virtual) stage
     traffic = Traffic()
     own = StageExecutor(cfg, program, plan, store, device, backend, traffic, criterion=_loss, replica=r,
                         replicas=replicas, shard=t, shards=shards, tensor=tensor)
@@ -139,6 +139,12 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
     # The stages of a replica must make the same steps: no budget shared with other replicas.
     feed = strategy.feed(ctx, len(data.x_train), shared_budget=False)
     limit = feed.limit
+
+    def batch_at(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = feed.indices(step)
+        return data.x_train[idx].to(device), data.y_train[idx].to(device)
+
+    own.feed(batch_at, limit)  # an asynchronous pipeline (pipedream) reads batches ahead of its steps
     classes = data.num_classes if data.task == "classification" else None
     evaluator = whole = None
     if lead:
@@ -167,8 +173,7 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
         loss = float("nan")
         steps_done = 0
         for step in range(feed.start(0), limit):
-            idx = feed.indices(step)
-            x, y = data.x_train[idx].to(device), data.y_train[idx].to(device)
+            x, y = batch_at(step)
             own.begin_step()
             out = strategy.step(x, y).loss
             own.end_step()

@@ -1,0 +1,142 @@
+"""zb-h1's split backward (Qi et al. 2023): B, the gradients of a stage's received values,
+and W, its parameters' gradients, run apart over one micro-batch's autograd graph.
+
+B is ``torch.autograd.grad`` of the received values with the graph kept. W must not walk
+the activation gradients again: that would cost a whole backward, not the weight half.
+So before B, a hook is put on each node where the gradient stops serving the inputs and
+starts serving only parameters (for a Linear, its matmul node: B takes its input's
+gradient there and leaves its weight's); B's pass records the gradient arriving at each
+such node, and W restarts from those nodes with those gradients, asking autograd for the
+parameters alone (``torch.autograd.graph.GradientEdge``), so each W computes only the
+weight products. torch.distributed.pipelining's ``stage_backward_input`` and
+``stage_backward_weight`` split the same way.
+
+Parameters are grouped by the set of such nodes they are reached from, and each group's
+restart asks only for its own parameters, so no gradient is counted twice. Two graphs
+cannot be split this way, and W then walks the whole graph from the outputs as one
+backward would (``split`` is False; B still returns the inputs' gradients first):
+a parameter reached from an output without passing the inputs' path (stage 0, which
+receives nothing, or an output that does not depend on what the stage received), and a
+parameter used at two points of the inputs' path (tied weights), where one restart would
+reach the other's node.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Sequence
+
+import torch
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+__all__ = ["SplitBackward"]
+
+
+def _reach(starts: list[Node], edges: dict[Node, list[Node]]) -> set[Node]:
+    """Every node reachable from ``starts`` (included) along ``edges``."""
+    seen, todo = set(starts), deque(starts)
+    while todo:
+        for nxt in edges.get(todo.popleft(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+class SplitBackward:
+    """One micro-batch's backward from ``tensors`` seeded with ``seeds``, as zb-h1's B
+    (``input_gradients``, of ``leaves``) then W (``weight_gradients``, of ``params``)."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], seeds: Sequence[torch.Tensor],
+                 leaves: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> None:
+        self.tensors, self.seeds = list(tensors), list(seeds)
+        self.leaves, self.params = list(leaves), list(params)
+        self.groups: list[tuple[list[Node], list[int]]] = []  # (restart nodes, indices of their params)
+        self.captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
+        self.split = self._plan()
+
+    def _plan(self) -> bool:
+        """Find each parameter's restart nodes; False when the graph cannot be split."""
+        roots = [t.grad_fn for t in self.tensors if t.grad_fn is not None]
+        if not roots or not self.leaves:
+            return False
+        children: dict[Node, list[Node]] = {}
+        nodes, todo = set(roots), deque(roots)
+        while todo:  # the graph below the outputs, and its edges both ways
+            node = todo.popleft()
+            children[node] = [nxt for nxt, _ in node.next_functions if nxt is not None]
+            for nxt in children[node]:
+                if nxt not in nodes:
+                    nodes.add(nxt)
+                    todo.append(nxt)
+        parents: dict[Node, list[Node]] = {}
+        for node, below in children.items():
+            for nxt in below:
+                parents.setdefault(nxt, []).append(node)
+        leaf_nodes = [get_gradient_edge(leaf).node for leaf in self.leaves if leaf.requires_grad]
+        serves_inputs = _reach([n for n in leaf_nodes if n in nodes], parents)
+        by_restarts: dict[frozenset[Node], list[int]] = {}
+        for i, param in enumerate(self.params):
+            start = get_gradient_edge(param).node
+            if start not in nodes:
+                continue  # unused: its gradient is None, as autograd.grad's with allow_unused
+            restarts, seen, todo = set(), {start}, deque([start])
+            while todo:  # up from the parameter until the inputs' path
+                node = todo.popleft()
+                ups = parents.get(node, [])
+                if not ups and node not in serves_inputs:
+                    return False  # reached an output without passing the inputs' path
+                for up in ups:
+                    if up in serves_inputs:
+                        restarts.add(up)
+                    elif up not in seen:
+                        seen.add(up)
+                        todo.append(up)
+            by_restarts.setdefault(frozenset(restarts), []).append(i)
+        for restarts, indices in by_restarts.items():
+            for node in restarts:  # a restart that reaches another of its group counts it twice
+                if len(_reach([node], children) & restarts) > 1:
+                    return False
+            self.groups.append((list(restarts), indices))
+        return True
+
+    def input_gradients(self) -> list[torch.Tensor | None]:
+        """B: the gradients of ``leaves``, the graph kept, and (split) the gradient
+        arriving at each restart node recorded for W."""
+        if not self.tensors or not self.leaves:
+            return [None] * len(self.leaves)
+        handles = []
+        for restarts, _ in self.groups:
+            for node in restarts:
+                def record(grads, node=node):
+                    self.captured[node] = tuple(grads)
+                handles.append(node.register_prehook(record))
+        try:
+            return list(torch.autograd.grad(self.tensors, self.leaves, self.seeds, retain_graph=True,
+                                            allow_unused=True))
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def weight_gradients(self) -> list[torch.Tensor | None]:
+        """W: the gradients of ``params`` (None where unused). Split: from each group's
+        restart nodes with the gradients B recorded; otherwise the whole backward again."""
+        if not self.tensors or not self.params:
+            return [None] * len(self.params)
+        if not self.split:
+            return list(torch.autograd.grad(self.tensors, self.params, self.seeds, allow_unused=True))
+        out: list[torch.Tensor | None] = [None] * len(self.params)
+        for restarts, indices in self.groups:
+            edges, grads = [], []
+            for node in restarts:
+                for nr, grad in enumerate(self.captured.get(node, ())):
+                    if grad is not None:
+                        edges.append(GradientEdge(node, nr))
+                        grads.append(grad)
+            if not edges:
+                continue  # no gradient reached these parameters
+            got = torch.autograd.grad(edges, [self.params[i] for i in indices], grads, retain_graph=True,
+                                      allow_unused=True)
+            for i, g in zip(indices, got):
+                out[i] = g
+        self.captured = {}
+        return out

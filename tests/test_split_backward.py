@@ -1,0 +1,78 @@
+"""zb-h1's split backward (parallel/split_backward.py): B's input gradients and W's
+parameter gradients equal one whole backward's, and W runs only the weight products where
+the graph can be split, falling back to a whole backward where it cannot."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from plexus.parallel.split_backward import SplitBackward
+
+
+def _whole(tensors, seeds, inputs):
+    return torch.autograd.grad(tensors, inputs, seeds, retain_graph=True, allow_unused=True)
+
+
+def _check(tensors, seeds, leaves, params, split: bool) -> SplitBackward:
+    want = _whole(tensors, seeds, [*leaves, *params])
+    sb = SplitBackward(tensors, seeds, leaves, params)
+    assert sb.split is split
+    got = [*sb.input_gradients(), *sb.weight_gradients()]
+    for g, w in zip(got, want):
+        if w is None:
+            assert g is None
+        else:
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+    return sb
+
+
+def test_a_chain_splits_and_w_runs_only_the_weight_products():
+    torch.manual_seed(0)
+    x = torch.randn(6, 4, requires_grad=True)  # a received value
+    w1, b1, w2 = torch.randn(8, 4, requires_grad=True), torch.randn(8, requires_grad=True), \
+        torch.randn(3, 8, requires_grad=True)
+    hidden = torch.tanh(F.linear(x, w1, b1))
+    out = F.linear(hidden, w2)
+    loss = F.cross_entropy(out, torch.tensor([0, 1, 2, 0, 1, 2]))
+    tensors, seeds = [loss, hidden], [torch.ones(()), torch.randn(6, 8)]  # the loss and a value sent on
+    want = _whole(tensors, seeds, [x, w1, b1, w2])
+    sb = SplitBackward(tensors, seeds, [x], [w1, b1, w2])
+    assert sb.split is True
+    torch.testing.assert_close(sb.input_gradients()[0], want[0], rtol=0, atol=0)
+    ran = []
+    handle = hidden.grad_fn.register_prehook(lambda grads: ran.append(1))  # tanh: on the inputs' path only
+    got = sb.weight_gradients()
+    handle.remove()
+    assert ran == []  # W did not walk the activation gradients again
+    for g, w in zip(got, want[1:]):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_tied_weights_fall_back_to_a_whole_backward():
+    """One weight at two points of the inputs' path: a restart from the later one would
+    reach the earlier one, so W walks the whole graph, and the sums are still right."""
+    torch.manual_seed(1)
+    x, w = torch.randn(5, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+    out = F.linear(torch.tanh(F.linear(x, w)), w).sum()
+    _check([out], [torch.ones(())], [x], [w], split=False)
+
+
+def test_without_received_values_or_with_an_output_of_its_own_w_is_a_whole_backward():
+    torch.manual_seed(2)
+    data, w = torch.randn(5, 4), torch.randn(3, 4, requires_grad=True)
+    _check([F.linear(data, w).sum()], [torch.ones(())], [], [w], split=False)  # stage 0: nothing received
+    # An output (a value sent on) that does not depend on what the stage received: v's
+    # gradient never meets the inputs' path, so there is nowhere to restart from.
+    x, v = torch.randn(5, 3, requires_grad=True), torch.randn(3, 4, requires_grad=True)
+    _check([F.linear(x, torch.eye(3)).square().sum(), F.linear(data, v)], [torch.ones(()), torch.randn(5, 3)],
+           [x], [v], split=False)
+    # Joining the inputs' path before the output, it splits: W restarts where they meet.
+    out = (F.linear(x, torch.eye(3)) + F.linear(data, v)).square().sum()
+    _check([out], [torch.ones(())], [x], [v], split=True)
+
+
+def test_an_unused_parameter_has_no_gradient():
+    torch.manual_seed(3)
+    x, w, unused = torch.randn(5, 4, requires_grad=True), torch.randn(3, 4, requires_grad=True), \
+        torch.randn(2, requires_grad=True)
+    _check([F.linear(x, w).square().sum()], [torch.ones(())], [x], [w, unused], split=True)
