@@ -262,6 +262,24 @@ class _Exchange(torch.autograd.Function):
         return (None, None, *grads)
 
 
+def _add_gradients(grads: list[torch.Tensor | None], got, seeds: list[torch.Tensor] = ()) -> None:
+    """Add one micro-batch's parameter gradients ``got`` into the step's ``grads``. The
+    first micro-batch's gradients become the accumulators themselves (autograd made them
+    for this call alone), which saves a pass of zeros and an addition over every
+    parameter per step; unless one is a seed passed in (autograd may hand a seed back as
+    a gradient), which later additions must not change."""
+    kept = {seed.data_ptr() for seed in seeds}
+    for i, g in enumerate(got):
+        if g is None:
+            continue
+        if grads[i] is not None:
+            grads[i].add_(g)
+        elif g.data_ptr() in kept or g._base is not None:
+            grads[i] = g.clone()
+        else:
+            grads[i] = g
+
+
 class _Deposit(torch.autograd.Function):
     """A pipelined step's result for its synchroniser: the loss, whose backward leaves in
     each parameter the gradient the micro-batches accumulated (``grads``), once, as one
@@ -565,7 +583,7 @@ class StageExecutor:
         xs = x.split(batch) if x is not None else [None] * m_count
         ys = y.split(batch) if y is not None else [None] * m_count
         params = [q for q in model.parameters() if q.requires_grad]
-        grads = [torch.zeros_like(q) for q in params]
+        grads: list[torch.Tensor | None] = [None] * len(params)  # the first micro-batch's become them
         # (micro-batch, chunk) -> its forward's values and graph, until its backward (W under zb-h1)
         live: dict[tuple[int, int], _Microbatch] = {}
         total = torch.zeros((), device=self.device)
@@ -588,9 +606,7 @@ class StageExecutor:
             if op.kind == "W":
                 mb = live.pop(key)
                 began = time.time()
-                for acc, g in zip(grads, mb.split.weight_gradients()):
-                    if g is not None:
-                        acc.add_(g)
+                _add_gradients(grads, mb.split.weight_gradients(), mb.split.seeds)
                 self._ops.append(("weight", began, time.time()))
                 continue
             mb = live[key] if split else live.pop(key)
@@ -621,12 +637,14 @@ class StageExecutor:
         self.pipeline_idle_s += sum(b - a for a, b in self._waits[waited:])
         return self._deposit(grads, total, params)
 
-    def _deposit(self, grads: list[torch.Tensor], total: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+    def _deposit(self, grads: list[torch.Tensor | None], total: torch.Tensor, params: list[torch.Tensor]
+                 ) -> torch.Tensor:
         """The step's loss, whose backward leaves ``grads`` in ``params`` (``_Deposit``). A
         stage without parameters (an interleaved chunk of a flatten alone, say) still
         returns a loss that ``backward()`` accepts: tied to the anchor, gradient zero."""
         if not params:
             return total + 0 * self._anchor
+        grads = [g if g is not None else torch.zeros_like(q) for g, q in zip(grads, params)]
         return _Deposit.apply(grads, total, *params)
 
     @staticmethod
@@ -637,9 +655,7 @@ class StageExecutor:
         inputs = [*params, *leaves]
         got = torch.autograd.grad(tensors, inputs, seeds, allow_unused=True) if tensors and inputs else \
             [None] * len(inputs)
-        for acc, g in zip(grads, got[:len(params)]):
-            if g is not None:
-                acc.add_(g)
+        _add_gradients(grads, got[:len(params)], seeds)
         return list(got[len(params):])
 
     def feed(self, batch_at: Callable[[int], tuple[torch.Tensor, torch.Tensor]], steps: int) -> None:
@@ -709,7 +725,7 @@ class StageExecutor:
         if coming is not None and coming <= self.steps_done:  # a forward will run on these weights
             stash.keep(self.steps_done)
         params = stash.live
-        grads = [torch.zeros_like(q) for q in params]
+        grads: list[torch.Tensor | None] = [None] * len(params)  # the first micro-batch's become them
         total = torch.zeros((), device=self.device)
         start, waited = time.time(), len(self._waits)
         fresh: list[Work] = []  # this step's sends of forward values
@@ -742,9 +758,7 @@ class StageExecutor:
                 leaves = [(t, leaf) for t, leaf in mb.runner.leaves if t.grad]
                 got, back = stash.gradients(op.version, tensors, seeds, [leaf for _, leaf in leaves],
                                             stashing=self.weight_stashing)
-                for acc, g in zip(grads, got):
-                    if g is not None:
-                        acc.add_(g)
+                _add_gradients(grads, got, seeds)
                 if mb.loss is not None:
                     total = total + mb.loss.detach()
                 self._ops.append(("backward", began, time.time()))
