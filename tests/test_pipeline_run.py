@@ -29,7 +29,7 @@ def one_process(tmp_path_factory):
 @pytest.mark.parallel
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 @pytest.mark.parametrize("stages", [2, 3, 4])
-@pytest.mark.parametrize("microbatches", [2, 4, 8])
+@pytest.mark.parametrize("microbatches", [1, 2, 4, 8])
 def test_a_synchronous_pipeline_equals_one_process(schedule, stages, microbatches, one_process, tmp_path):
     summary, got = _train(tmp_path, "pipe", model="deep-mlp", stages=stages, microbatches=microbatches,
                           schedule=schedule)
@@ -56,7 +56,7 @@ def test_a_synchronous_pipeline_equals_one_process(schedule, stages, microbatche
 
 @pytest.mark.slow
 @pytest.mark.parallel
-@pytest.mark.parametrize("stages, microbatches, chunks", [(2, 2, 2), (2, 4, 3), (3, 6, 2), (4, 4, 2), (4, 8, 2),
+@pytest.mark.parametrize("stages, microbatches, chunks", [(2, 2, 2), (2, 4, 3), (2, 8, 2), (3, 6, 2), (4, 4, 2), (4, 8, 2),
                                                          (4, 4, 3)])
 def test_an_interleaved_pipeline_equals_one_process(stages, microbatches, chunks, one_process, tmp_path):
     """--schedule interleaved --chunks v: the model cut into K x v stages, process s running
@@ -82,7 +82,8 @@ def test_an_interleaved_pipeline_equals_one_process(stages, microbatches, chunks
 
 @pytest.mark.parametrize("args, needles", [
     (["--stages", "2", "--microbatches", "3"], ("--microbatches 3 must divide each replica's batch",)),
-    (["--stages", "2", "--schedule", "gpipe"], ("--schedule orders the micro-batches of a pipeline",)),
+    (["--stages", "4", "--microbatches", "2", "--schedule", "interleaved", "--chunks", "2"],
+     ("must be a multiple of --stages K (4", "--microbatches 8")),
     (["--microbatches", "4"], ("microbatches", "--stages K, K at least 2")),
     (["--stages", "2", "--recompute"], ("recompute", "applies to pipelines")),
     (["--stages", "2", "--workers", "2", "--batch-size", "36", "--microbatches", "4"],

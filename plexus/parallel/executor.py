@@ -345,8 +345,8 @@ class StageExecutor:
         # the same shard of the other stages, each of which holds every value whole.
         self.shard, self.shards = shard, shards
         self.tensor_plan, self.tensor_group = tensor if tensor is not None else (None, None)
-        # --microbatches M > 1: a pipeline, each step the M micro-batches' forwards and
-        # backwards in the order ``schedule.ops(stage)`` gives (parallel/schedules.py).
+        # --microbatches M > 1 (or --schedule): a pipeline, each step the M micro-batches'
+        # forwards and backwards in the order ``schedule.ops(stage)`` gives (parallel/schedules.py).
         self.microbatches = cfg.parallel.microbatches
         # An asynchronous schedule (pipedream) lists the whole run, so it is made once the
         # run's steps are known (``feed``); a synchronous one lists one step.
@@ -355,9 +355,11 @@ class StageExecutor:
         # are K x v virtual stages, virtual stage u running on process u mod K.
         self.stages = cfg.parallel.stages
         self.chunks = program.chunks or (program,)
+        # One micro-batch pipelines too when a schedule is asked for (--schedule S with M = 1:
+        # the naive model-parallel step, bubble (K-1)/K, through the schedule's op lists).
+        piped = self.microbatches > 1 or cfg.source("schedule") != "default"
         self.schedule = make_schedule(cfg.parallel.schedule, self.stages, self.microbatches,
-                                      chunks=cfg.parallel.chunks) \
-            if self.microbatches > 1 and not self.asynchronous else None
+                                      chunks=cfg.parallel.chunks) if piped and not self.asynchronous else None
         self.weight_stashing, self.vertical_sync = cfg.parallel.weight_stashing, cfg.parallel.vertical_sync
         self._batch_at: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None
         self._coming: Iterator[Op] = iter(())  # the run's ops not yet made (Schedule.iter_ops)

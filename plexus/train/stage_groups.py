@@ -88,9 +88,6 @@ def check_stages(cfg: JobConfig) -> None:
                           f"{stale} old, which breaks what synchronous {sync} promises across replicas (each "
                           f"step, every replica's gradient of the same weights); pass --strategy ps --consistency "
                           f"asp, or --workers 1")
-    if m_count == 1 and not asynchronous and settings["schedule"]["source"] != "default":
-        raise ConfigError("--schedule orders the micro-batches of a pipeline, and there is one: pass --microbatches "
-                          "M (2 or more), or drop --schedule")
     shards = cfg.parallel.tensor_parallel
     if shards > 1 and replicas > 1 and (s.strategy not in ("allreduce", "gossip", "local-sgd")
                                         or is_asynchronous(cfg.to_flat())):
