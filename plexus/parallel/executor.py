@@ -618,11 +618,7 @@ class StageExecutor:
                 mb = self._forward(model, mb.received, mb.x, mb.y, grad=True, program=chunk)
                 if split:
                     live[key] = mb
-            tensors, seeds = ([mb.loss], [torch.ones_like(mb.loss)]) if mb.loss is not None else ([], [])
-            for t, buf in wanted:
-                tensors.append(mb.values[t.producer])
-                seeds.append(buf)
-            leaves = [(t, leaf) for t, leaf in mb.runner.leaves if t.grad]
+            tensors, seeds, leaves = self._backward_targets(mb, wanted)
             if split:  # the input gradient only; the parameters' wait for W
                 mb.split = SplitBackward(tensors, seeds, [leaf for _, leaf in leaves], params)
                 got = mb.split.input_gradients()
@@ -631,6 +627,13 @@ class StageExecutor:
             self._ops.append(("backward", began, time.time()))
             for (t, leaf), g in zip(leaves, got):
                 self._send(t.src % self.stages, self._tag(t, m, True), g if g is not None else torch.zeros_like(leaf))
+        return self._end_pipeline(start, waited, grads, total, params)
+
+    def _end_pipeline(self, start: float, waited: int, grads: list[torch.Tensor | None], total: torch.Tensor,
+                      params: list[torch.Tensor]) -> torch.Tensor:
+        """The end of a pipelined step that began at ``start`` with ``waited`` waits on
+        record: wait for its sends, count its seconds, op times and idle time, and return
+        its loss (``_deposit``)."""
         self._finish_sends()
         self.pipeline_s += self._marks["backward"] - start
         for kind, a, b in self._ops:
@@ -638,6 +641,18 @@ class StageExecutor:
             self.op_seconds[kind][1] += 1
         self.pipeline_idle_s += sum(b - a for a, b in self._waits[waited:])
         return self._deposit(grads, total, params)
+
+    @staticmethod
+    def _backward_targets(mb: _Microbatch, wanted: list[tuple[Transfer, torch.Tensor]]
+                          ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[tuple[Transfer, torch.Tensor]]]:
+        """What a micro-batch's backward differentiates: its loss (seeded with 1) and the
+        values it sent (seeded with the gradients ``wanted`` received for them), and the
+        received values, as leaves, whose gradients go back."""
+        tensors, seeds = ([mb.loss], [torch.ones_like(mb.loss)]) if mb.loss is not None else ([], [])
+        for t, buf in wanted:
+            tensors.append(mb.values[t.producer])
+            seeds.append(buf)
+        return tensors, seeds, [(t, leaf) for t, leaf in mb.runner.leaves if t.grad]
 
     def _deposit(self, grads: list[torch.Tensor | None], total: torch.Tensor, params: list[torch.Tensor]
                  ) -> torch.Tensor:
@@ -753,11 +768,7 @@ class StageExecutor:
                 del self._versions[m]
                 wanted = self._receive_value_gradients(mb.values, tag)
                 began = time.time()
-                tensors, seeds = ([mb.loss], [torch.ones_like(mb.loss)]) if mb.loss is not None else ([], [])
-                for t, buf in wanted:
-                    tensors.append(mb.values[t.producer])
-                    seeds.append(buf)
-                leaves = [(t, leaf) for t, leaf in mb.runner.leaves if t.grad]
+                tensors, seeds, leaves = self._backward_targets(mb, wanted)
                 got, back = stash.gradients(op.version, tensors, seeds, [leaf for _, leaf in leaves],
                                             stashing=self.weight_stashing)
                 _add_gradients(grads, got, seeds)
@@ -776,13 +787,7 @@ class StageExecutor:
         # waiting for them would hang a run that stops here (--time-limit).
         self._sends += self._carried
         self._carried = fresh
-        self._finish_sends()
-        self.pipeline_s += self._marks["backward"] - start
-        for kind, a, b in self._ops:
-            self.op_seconds[kind][0] += b - a
-            self.op_seconds[kind][1] += 1
-        self.pipeline_idle_s += sum(b - a for a, b in self._waits[waited:])
-        return self._deposit(grads, total, params)
+        return self._end_pipeline(start, waited, grads, total, params)
 
     def _receive_gradients(self) -> list[torch.Tensor]:
         """The gradients of the values this stage sent, summed over the stages each went to."""
