@@ -17,9 +17,10 @@ Lifetime: the fork server asks the kernel to kill it when the launcher dies, its
 children ask the same of it (``child.prepare_child`` reads ``PLEXUS_PARENT_PID``), and it
 exits when the launcher closes the socket.
 
-Forking is used only where it is safe (``can_fork``): on Linux, with CUDA not initialised
-in this process (CUDA does not survive a fork), and with one torch thread per child
-(``--threads 1``, the default; an OpenMP pool does not survive a fork either).
+Forking is used only where it is safe (``can_fork``): on Linux, on a machine without
+CUDA or where this process has not imported torch (CUDA does not survive a fork), and
+with one torch thread per child (``--threads 1``, the default; an OpenMP pool does not
+survive a fork either).
 ``PLEXUS_START=spawn`` forces fresh interpreters, ``PLEXUS_START=fork`` forking.
 """
 from __future__ import annotations
@@ -54,7 +55,12 @@ def can_fork(threads: int = 1) -> bool:
     if not sys.platform.startswith("linux") or threads != 1:
         return False
     torch = sys.modules.get("torch")
-    return torch is None or not torch.cuda.is_initialized()
+    if torch is None:
+        return True
+    # Asking torch whether CUDA is available arms its fork guard, after which no child of
+    # a fork may use CUDA; there is no asking whether someone asked. So where CUDA is
+    # there, children get fresh interpreters.
+    return not (torch.cuda.is_initialized() or (torch.backends.cuda.is_built() and torch.cuda.is_available()))
 
 
 class ForkedChild:

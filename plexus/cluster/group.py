@@ -119,6 +119,9 @@ class Endpoint:
         self.traffic = traffic
         self.timeout = timeout
         self.net = net if net is not None and (net.bandwidth or net.latency) else None
+        # gloo's sends and receives (and this module's shared memory) move host memory: a
+        # tensor on a GPU travels through a host copy (``_outgoing``, ``_incoming``).
+        self.host_memory = isinstance(pg, dist.ProcessGroupGloo)
 
     def __deepcopy__(self, memo: dict) -> "Endpoint":
         """A connection is a resource, not a value: a copy of something that holds one (a
@@ -133,9 +136,31 @@ class Endpoint:
         if self.net is not None:
             time.sleep(self.net.delay(nbytes))
 
+    def _outgoing(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What a send hands the transport: ``tensor``, or its host copy where the
+        transport moves host memory and ``tensor`` is on a GPU."""
+        return tensor.cpu() if self.host_memory and tensor.device.type != "cpu" else tensor
+
+    def _incoming(self, tensor: torch.Tensor, then: Callable[[], None] | None = None
+                  ) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        """Where a receive into ``tensor`` lands, and what to do once it has: ``tensor``
+        and ``then``, or, where the transport moves host memory and ``tensor`` is on a GPU,
+        a host buffer that is copied into ``tensor`` before ``then``."""
+        if not self.host_memory or tensor.device.type == "cpu":
+            return tensor, then
+        host = torch.empty(tensor.shape, dtype=tensor.dtype)
+
+        def land() -> None:
+            tensor.copy_(host)
+            if then is not None:
+                then()
+
+        return host, land
+
     def isend(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> Work:
         """Start sending ``tensor`` (contiguous) to member ``peer``."""
         self._check_peer(peer)
+        tensor = self._outgoing(tensor)
         nbytes = _nbytes(tensor)
         self._emulate(nbytes)
         name = self.names[peer]
@@ -153,12 +178,12 @@ class Endpoint:
         self._check_peer(peer)
         nbytes = _nbytes(tensor) if counted is None else counted
         name = self.names[peer]
+        tensor, landed = self._incoming(tensor, lambda: self.traffic.received(name, nbytes))
         try:
             work = self.pg.recv([tensor], peer, tag)
         except RuntimeError as exc:
             raise translate_error(exc, self.me, f"receive of {nbytes} bytes", name, self.timeout) from None
-        return Work(work, self, f"receive of {nbytes} bytes", name,
-                    on_done=lambda: self.traffic.received(name, nbytes))
+        return Work(work, self, f"receive of {nbytes} bytes", name, on_done=landed)
 
     def send(self, tensor: torch.Tensor, peer: int, tag: int = 0, timeout: float | None = None) -> None:
         self.isend(tensor, peer, tag).wait(timeout)
@@ -171,9 +196,10 @@ class Endpoint:
         """Receive from whichever member sends first; returns its index."""
         nbytes = _nbytes(tensor)
         others = [i for i in range(self.size) if i != self.rank]
+        tensor, landed = self._incoming(tensor)
         work = self.pg.recv_anysource([tensor], tag)
         handle = Work(work, self, f"receive of {nbytes} bytes from any member",
-                      ", ".join(self.names[i] for i in others))
+                      ", ".join(self.names[i] for i in others), on_done=landed)
         handle.wait(timeout)
         source = handle.source_rank()
         self.traffic.received(self.names[source], nbytes)
@@ -393,6 +419,7 @@ class Link(Endpoint):
         if self.shm is None:
             return super().isend(tensor, peer, tag)
         self._check_peer(peer)
+        tensor = self._outgoing(tensor)
         nbytes = _nbytes(tensor)
         self._emulate(nbytes)
         what = f"send of {nbytes} bytes"
@@ -409,8 +436,8 @@ class Link(Endpoint):
         self._check_peer(peer)
         nbytes = _nbytes(tensor) if counted is None else counted
         what = f"receive of {nbytes} bytes"
-        return Work(self.shm.post(tensor, tag, what), self, what, self.peer,
-                    on_done=lambda: self.traffic.received(self.peer, nbytes))
+        tensor, landed = self._incoming(tensor, lambda: self.traffic.received(self.peer, nbytes))
+        return Work(self.shm.post(tensor, tag, what), self, what, self.peer, on_done=landed)
 
     def recv_view(self, like: torch.Tensor, tag: int = 0, timeout: float | None = None
                   ) -> tuple[torch.Tensor, Callable[[], None]]:

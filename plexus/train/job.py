@@ -334,8 +334,12 @@ def _roles(cfg: JobConfig) -> list[RoleSpec]:
     """Every process of the job, as the role plan orders them (train/plan.py). Global
     ranks (RANK) are unique across roles; PLEXUS_ROLE_RANK is the rank within the role."""
     from plexus.train.plan import role_plan
-    return [RoleSpec(slot.role, slot.rank, {"RANK": str(g), "LOCAL_RANK": str(g)})
-            for g, slot in enumerate(role_plan(cfg))]
+    slots = role_plan(cfg)
+    # Every process runs on this machine: PLEXUS_PROCESSES_HERE tells --backend auto
+    # whether each has a GPU of its own (runner.choose_backend).
+    return [RoleSpec(slot.role, slot.rank, {"RANK": str(g), "LOCAL_RANK": str(g),
+                                            "PLEXUS_PROCESSES_HERE": str(len(slots))})
+            for g, slot in enumerate(slots)]
 
 
 def _job_store(store, token: str):

@@ -61,6 +61,8 @@ FIGURES = {
     "bytes_sent_total": "bytes sent by every process (workers, servers, aggregators)",
     "bytes_sent_workers": "bytes sent by the workers alone",
     "bytes_sent_by_role": "bytes sent, by role; reports show them in MiB (2**20 bytes)",
+    "device": "where the workers computed: cpu, or cuda:N (worker 0's GPU)",
+    "backend": "what carried the messages: gloo (host memory; a GPU tensor travels through a host copy) or nccl",
     "time_to_target_seconds": "training clock when a snapshot first reached target_accuracy; the "
                               "final accuracy may be lower (target_reached_then_lost)",
 }

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import time
 from pathlib import Path
 from typing import Callable
@@ -40,7 +41,8 @@ from plexus.train.models import build_model
 from plexus.train.progress import STEPS_KEY
 from plexus.train.timing import StepTimer
 
-__all__ = ["worker_main", "role_main", "NonFiniteLoss", "save_dataset", "load_saved_dataset", "resolve_device"]
+__all__ = ["worker_main", "role_main", "NonFiniteLoss", "save_dataset", "load_saved_dataset", "resolve_device",
+           "choose_backend"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,22 +70,35 @@ def load_saved_dataset(folder: Path) -> Dataset:
                    input_shape=tuple(meta["input_shape"]), num_features=meta["num_features"], **tensors)
 
 
+def choose_backend(backend: str, cuda: bool, gpus: int, processes_here: int | None) -> str:
+    """The backend ``--backend auto`` stands for: NCCL where every process of this machine
+    has a GPU of its own (``processes_here``: how many the job runs here, None when not
+    known), else gloo. NCCL refuses two ranks on one GPU, and gloo moves GPU tensors
+    through host memory (``cluster/group.py``), so a job of more processes than GPUs runs,
+    on gloo, rather than failing at its first message."""
+    if backend != "auto":
+        return backend
+    return "nccl" if cuda and processes_here is not None and processes_here <= gpus else "gloo"
+
+
 def resolve_device(cfg: JobConfig, local_rank: int) -> tuple[torch.device, str]:
-    """(device, backend): CUDA and NCCL where asked for or present, else CPU and gloo."""
+    """(device, backend): CUDA where asked for or present, else CPU; the backend as
+    ``choose_backend`` says, from the processes on this machine: our launcher's count, or
+    torchrun's ``LOCAL_WORLD_SIZE``."""
     want = cfg.cluster.device
     use_cuda = want == "cuda" or (want == "auto" and torch.cuda.is_available())
+    gpus = 0
     if use_cuda:
         if not torch.cuda.is_available():
             from plexus.errors import ConfigError
             raise ConfigError("device cuda was asked for but CUDA is not available: pass --device cpu")
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        gpus = torch.cuda.device_count()
+        device = torch.device("cuda", local_rank % gpus)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    backend = cfg.cluster.backend
-    if backend == "auto":
-        backend = "nccl" if use_cuda else "gloo"
-    return device, backend
+    here = os.environ.get("PLEXUS_PROCESSES_HERE") or os.environ.get("LOCAL_WORLD_SIZE")
+    return device, choose_backend(cfg.cluster.backend, use_cuda, gpus, int(here) if here else None)
 
 
 def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
@@ -171,7 +186,7 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
         return {"steps": steps_done, "wall_seconds": wall, "bytes_sent": traffic.bytes_sent,
                 "bytes_recv": traffic.bytes_recv, "traffic": traffic.snapshot(), "loss": loss,
                 "slept": emulator.slept, "diverging": health.state == "diverging", "health": health.state,
-                "health_step": health.step, **timer.fields()}
+                "health_step": health.step, "device": str(device), "backend": backend, **timer.fields()}
 
     try:
         step = steps_done = feed.start(resumed)

@@ -249,7 +249,7 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
                 "steps": steps_done, "wall_seconds": wall,
                 "bytes_sent": sum(x["bytes_sent"] + x["sync_bytes_sent"] for x in recs),
                 "bytes_recv": sum(x["bytes_recv"] + x["sync_bytes_recv"] for x in recs),
-                "traffic": {}, "loss": loss, "slept": 0.0,
+                "traffic": {}, "loss": loss, "slept": 0.0, "device": str(device), "backend": backend,
                 "diverging": health.state == "diverging", "health": health.state, "health_step": health.step,
                 "compute_seconds": sum(x["compute_seconds"] for x in recs), "step_seconds": wall})
         store_barrier(store, "stages/done", per_replica * replicas, cfg.cluster.timeout)

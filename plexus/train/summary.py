@@ -124,6 +124,9 @@ def assemble_summary(cfg: JobConfig, records: dict[str, Any], lost: dict[str, li
         "servers": cfg.cluster.servers if applies("servers", cfg.strategy.strategy) else None,
         "dataset": cfg.data.dataset,
         "model": cfg.model.model,
+        # Where the workers computed and what carried their messages (--device, --backend).
+        "device": next((w.get("device") for w in workers.values() if w.get("device")), None),
+        "backend": next((w.get("backend") for w in workers.values() if w.get("backend")), None),
         "steps": steps,
         "samples": samples,
         "final_test_accuracy": ev.get("final_test_accuracy"),
