@@ -22,6 +22,7 @@ os.environ.setdefault("PLEXUS_NO_REPORT", "1")
 import plexus  # noqa: E402
 
 BASE = dict(dataset="digits", model="deep-mlp", hidden=1024, batch_size=256, threads=1, steps=40, eval_every=0,
+            device="cpu", backend="gloo",
             quiet=True, seed=1)
 
 
