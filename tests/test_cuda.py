@@ -9,9 +9,22 @@ import pytest
 import torch
 
 from plexus.train.runner import choose_backend
+from test_cli import assert_usage_error, plexus_cli
 from test_stages_run import _train, assert_same_model
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+
+
+@pytest.mark.parametrize("flags, says", [
+    pytest.param(["--device", "cuda"], "--device cuda needs CUDA", marks=no_cuda),
+    pytest.param(["--backend", "nccl"], "--backend nccl needs CUDA", marks=no_cuda),
+    (["--device", "cpu", "--backend", "nccl"], "--backend nccl moves GPU tensors"),
+    pytest.param(["--device", "cuda", "--backend", "nccl", "--workers", "9"], "needs a GPU for each process",
+                 marks=[cuda, pytest.mark.skipif(torch.cuda.device_count() >= 9, reason="9 GPUs or more")]),
+])
+def test_a_device_or_backend_this_machine_cannot_give_is_one_line(flags, says, tmp_path):
+    assert_usage_error(plexus_cli("train", "--steps", "2", "--out", str(tmp_path / "run"), *flags), says)
 
 
 @pytest.mark.parametrize("backend, cuda_, gpus, here, want", [

@@ -144,6 +144,9 @@ def run_local(cfg: JobConfig, poll: Callable[[Path, StartupProbe], None] | None 
     """
     phases = _Phases()
     data = validate(cfg)
+    from plexus.train import preflight
+    from plexus.train.plan import role_plan
+    preflight.check_device(cfg, len(role_plan(cfg)))  # every process runs here
     phases.done("validate")
     _log_settings(cfg)
     warn_risks(cfg)

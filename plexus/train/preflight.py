@@ -9,6 +9,10 @@
   (``--kill worker:1@step=500`` in a 20-step run, ``--warmup-steps 50`` in a 40-step
   local-sgd run) is an error; the length is known once the dataset is loaded.
 
+- ``check_device``: ``--device cuda`` or ``--backend nccl`` where torch sees no GPU, and
+  ``--backend nccl`` with more processes on this machine than GPUs (NCCL refuses two
+  ranks on one GPU, or waits), before the workers start and fail one by one.
+
 Each raises ConfigError naming the flag, the rule, the value and the fix.
 """
 from __future__ import annotations
@@ -19,7 +23,8 @@ from plexus.config import JobConfig, KillSpec, SlowSpec
 from plexus.config.applies import check_applies as _check_applies
 from plexus.errors import ConfigError
 
-__all__ = ["check_run_dir", "check_applies", "check_roles", "check_schedule", "steps_per_worker", "run_length"]
+__all__ = ["check_run_dir", "check_applies", "check_roles", "check_schedule", "check_device", "steps_per_worker",
+           "run_length"]
 
 _USER = ("flag", "file", "spec", "api")
 
@@ -160,3 +165,23 @@ def check_schedule(cfg: JobConfig, n_train: int) -> None:
     if cfg.source("eval_every") in _USER and cfg.run.eval_every > limit:
         raise ConfigError(f"--eval-every {cfg.run.eval_every} takes no snapshot before the end: {length}: pick at "
                           f"most {limit}, or 0 to evaluate only at the end")
+
+
+def check_device(cfg: JobConfig, processes: int) -> None:
+    """What --device and --backend ask of this machine, where the job's ``processes`` all
+    run: CUDA for ``--device cuda`` and ``--backend nccl``, and for NCCL a GPU per process."""
+    device, backend = cfg.cluster.device, cfg.cluster.backend
+    if device != "cuda" and backend != "nccl":
+        return
+    if backend == "nccl" and device == "cpu":
+        raise ConfigError("--backend nccl moves GPU tensors, and --device cpu keeps them on the CPU: "
+                          "pass --backend gloo (or auto)")
+    import torch
+    if not torch.cuda.is_available():
+        flag, fix = ("--device cuda", "--device cpu") if device == "cuda" else ("--backend nccl", "--backend gloo")
+        raise ConfigError(f"{flag} needs CUDA, and torch sees no GPU here: pass {fix} (or auto)")
+    gpus = torch.cuda.device_count()
+    if backend == "nccl" and processes > gpus:
+        raise ConfigError(f"--backend nccl needs a GPU for each process, and this job runs {processes} processes "
+                          f"on {gpus} GPU{'s' if gpus != 1 else ''}: pass --backend auto, which picks gloo here "
+                          f"and carries GPU tensors through host memory")
