@@ -76,4 +76,5 @@ def test_a_pipeline_on_a_gpu_equals_one_process_there(schedule, tmp_path):
                           schedule=schedule)
     assert summary["device"].startswith("cuda")
     assert {s["peak_memory_measure"] for s in summary["stages"]} == {"cuda allocator"}
+    assert {t.device.type for t in got.values()} == {"cpu"}  # model.pt loads without a GPU
     assert_same_model(got, want)

@@ -327,7 +327,8 @@ def record_final_evaluation(model: nn.Module, data: Dataset, device: torch.devic
     if not evaluator.results or evaluator.results[-1].step != steps:
         evaluator.record(Evaluation(step=steps, time=wall, samples=samples(), accuracy=accuracy, loss=loss))
     if run_dir is not None and cfg.run.save_model:
-        torch.save(model.state_dict(), run_dir / "model.pt")
+        # Host tensors wherever it trained: the file loads on a machine without a GPU.
+        torch.save({key: value.detach().cpu() for key, value in model.state_dict().items()}, run_dir / "model.pt")
     classes = data.num_classes if data.task == "classification" else None
     store_set_json(store, "stats/eval", {
         "final_test_accuracy": accuracy, "final_test_loss": loss, "steps": steps,
