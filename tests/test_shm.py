@@ -252,6 +252,21 @@ def test_closing_a_link_ends_a_wait_on_it_in_another_thread(shm_dir):
     a.close()
 
 
+def test_closing_a_link_twice_touches_no_other_file(shm_dir, tmp_path):
+    """A second close (an owner's, then one on the way out) once wrote its wake-up byte to
+    a descriptor number already freed: EBADF, or a byte in whatever file took the number."""
+    a, b = _link_pair("shm")
+    b.close()
+    files = [open(tmp_path / f"f{i}", "wb") for i in range(8)]  # they take the freed numbers
+    try:
+        b.close()
+    finally:
+        for f in files:
+            f.close()
+    assert all((tmp_path / f"f{i}").read_bytes() == b"" for i in range(8))
+    a.close()
+
+
 def test_a_message_longer_than_posted_is_a_protocol_error_not_a_crash(shm_dir):
     a, b = _link_pair("shm")
     work = a.isend(torch.zeros(100), a.peer_index)

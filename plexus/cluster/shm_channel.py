@@ -73,6 +73,7 @@ class Channel:
         self._posted: dict[int, collections.deque[_Receive]] = collections.defaultdict(collections.deque)
         self._early: dict[int, collections.deque[Token]] = collections.defaultdict(collections.deque)
         self._reading = False
+        self._closed = False
         self._broken: str | None = None
         self._partial = b""
         # A pipe of our own wakes the thread reading the FIFO when the link is closed here
@@ -227,8 +228,13 @@ class Channel:
                 receive.seq, receive.data = None, None
 
     def close(self) -> None:
-        """Close both FIFO ends: the peer's waits end with PeerLost, and so do waits here."""
+        """Close both FIFO ends: the peer's waits end with PeerLost, and so do waits here.
+        Once: a second call (a link closed by its owner and again on the way out) must not
+        write to a descriptor number the process may by then have given to another file."""
         with self._cond:
+            if self._closed:
+                return
+            self._closed = True
             if self._broken is None:
                 self._broken = "the link was closed here"
             os.write(self._wake_w, b"x")
