@@ -59,8 +59,9 @@ def can_fork(threads: int = 1) -> bool:
         return True
     # Asking torch whether CUDA is available arms its fork guard, after which no child of
     # a fork may use CUDA; there is no asking whether someone asked. So where CUDA is
-    # there, children get fresh interpreters.
-    return not (torch.cuda.is_initialized() or (torch.backends.cuda.is_built() and torch.cuda.is_available()))
+    # there (initialised or not), children get fresh interpreters. On a CPU build the
+    # question costs nothing and arms nothing.
+    return not torch.cuda.is_available()
 
 
 class ForkedChild:
