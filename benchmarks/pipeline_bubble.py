@@ -7,6 +7,9 @@
 
 Prints the markdown table of docs/results/pipeline.md. The last column is each stage's
 mean micro-batch backward and, under zb-h1, its W (weight gradient) apart, in ms.
+``--stages 2`` keeps the rows of two stages (a machine with two cores cannot give three
+stage processes a core each); ``--repeat N`` runs each row N times and prints the run
+whose measured bubble is the median.
 """
 from __future__ import annotations
 
@@ -39,9 +42,13 @@ def _ops(stage: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedules", default="gpipe,1f1b", help="comma-separated schedules (default gpipe,1f1b)")
-    schedules = [s for s in parser.parse_args().schedules.split(",") if s]
+    parser.add_argument("--stages", default="2,3", help="comma-separated stage counts (default 2,3)")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each row; the table gives their median")
+    args = parser.parse_args()
+    schedules = [s for s in args.schedules.split(",") if s]
     # interleaved: 2 chunks per process, and only where M is a multiple of K (whole rounds).
-    cases = [(k, m, schedule) for k in (2, 3) for m in (4, 8) for schedule in schedules
+    cases = [(k, m, schedule) for k in (int(k) for k in args.stages.split(",")) for m in (4, 8)
+             for schedule in schedules
              if schedule != "interleaved" or m % k == 0]
     lines = ["| stages | micro-batches | schedule | bubble predicted | simulated with measured op costs "
              "| bubble measured | per stage | gap to predicted | most micro-batches held | step ms "
@@ -49,9 +56,10 @@ def main() -> None:
              "|---:|---:|---|---:|---:|---:|---|---:|---:|---:|---|"]
     with tempfile.TemporaryDirectory() as tmp:
         for k, m, schedule in cases:
-            s = plexus.run({**BASE, "stages": k, "microbatches": m, "schedule": schedule,
-                            **({"chunks": 2} if schedule == "interleaved" else {}),
-                            "out": str(Path(tmp) / f"{k}-{m}-{schedule}")})
+            runs = [plexus.run({**BASE, "stages": k, "microbatches": m, "schedule": schedule,
+                                **({"chunks": 2} if schedule == "interleaved" else {}),
+                                "out": str(Path(tmp) / f"{k}-{m}-{schedule}-{r}")}) for r in range(args.repeat)]
+            s = sorted(runs, key=lambda run: run["pipeline"]["bubble_measured"])[len(runs) // 2]  # the median run
             p = s["pipeline"]
             per_stage = " / ".join(f"{x['bubble']:.3f}" for x in s["stages"])
             lines.append(f"| {k} | {m} | {schedule} | {p['bubble_predicted']:.3f} | {p['bubble_simulated']:.3f} "

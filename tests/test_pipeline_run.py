@@ -148,3 +148,36 @@ def test_recomputation_trades_activations_for_compute(schedule, one_process, tmp
     for before, after in zip(kept["stages"], summary["stages"]):
         assert after["peak_activation_bytes"] < before["peak_activation_bytes"]
     assert summary["pipeline"]["recompute"] is True
+
+
+def test_a_backward_sends_its_input_gradient_before_it_adds_its_parameters_gradients():
+    """The previous stage waits for a micro-batch's input gradient and nobody waits for
+    the sum of its parameters' gradients, so the send comes first (``_send_back``), and
+    the op's time still covers both parts."""
+    import torch
+
+    from plexus.parallel.executor import StageExecutor
+    from plexus.parallel.partition import Transfer
+
+    class Stage:  # the attributes _send_back uses
+        stages = 2
+
+        def __init__(self) -> None:
+            self.sent, self._ops = [], []
+
+        def _tag(self, transfer, microbatch, grad):
+            return microbatch
+
+        def _send(self, peer, tag, value):
+            self.sent.append((peer, tag, value.clone(), [g.clone() for g in grads]))
+
+    stage = Stage()
+    grads = [torch.ones(3)]
+    transfer = Transfer(producer="x", src=0, dst=1, shape=(1, 4), dtype="float32", nbytes=16, grad=True)
+    StageExecutor._send_back(stage, 0.0, [(transfer, torch.zeros(1, 4))], [torch.full((1, 4), 2.0)], 5, grads,
+                             [torch.full((3,), 10.0)], [])
+    ((peer, tag, value, grads_when_sent),) = stage.sent
+    assert (peer, tag) == (0, 5) and torch.equal(value, torch.full((1, 4), 2.0))
+    assert torch.equal(grads_when_sent[0], torch.ones(3))  # not yet added when the gradient left
+    assert torch.equal(grads[0], torch.full((3,), 11.0))
+    assert [kind for kind, _, _ in stage._ops] == ["backward", "accumulate"]
