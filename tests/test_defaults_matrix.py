@@ -56,9 +56,7 @@ LABELS = [label for label in MATRIX if MATRIX[label]["strategy"] != "allreduce"]
 # mean of both seeds, in CI's parallel stage (2026-11-26), where beside two copies of
 # itself it reached 0.66 to 0.67 and beside four CPU-bound processes 0.69 to 0.70.
 # They run in the serial stage of ``make test``, where what they measure is their
-# defaults, not the machine's load. Those adv-star runs used the servers' Adagrad, then the
-# asynchronous default; Adam, the default since 2026-11-26, took adv-star asp to 1.01x
-# (docs/results/defaults-matrix.md) and kept it at 0.69-0.70 beside two busy loops.
+# defaults, not the machine's load.
 SERIAL = {"tree-ps --variant adv-star --consistency asp", "tree-ps --variant adv-star --consistency softsync",
           "gossip --topology torus --async"}
 

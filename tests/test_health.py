@@ -106,5 +106,5 @@ def test_a_healthy_run_says_ok(tmp_path):
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout.splitlines()[-1])
     assert summary["health"] == "ok" and summary["health_hint"] is None
-    assert summary["settings"]["optimizer"] == {"value": "adam", "source": "default for ps/asp"}
+    assert summary["settings"]["optimizer"] == {"value": "adagrad", "source": "default for ps/asp"}
     assert "warning" not in result.stderr
