@@ -81,3 +81,29 @@ def test_a_forked_job_trains_exactly_as_a_spawned_one(monkeypatch, tmp_path):
         results[start] = (summary["final_test_accuracy"], summary["final_test_loss"])
     assert results["fork"] == results["spawn"]
     assert role_processes(os.getpid()) == {}
+
+
+_RSS_AFTER_FREE = """
+import ctypes, os, torch
+from plexus.cluster.child import keep_freed_memory
+kept = keep_freed_memory(ctypes.CDLL("libc.so.6"))
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+before = rss()
+x = torch.ones(4 << 20)  # 16 MiB, every page touched
+del x
+print(kept, (rss() - before) >> 20)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+@pytest.mark.parametrize("setting, kept", [("1", True), ("0", False)])
+def test_a_child_keeps_the_memory_it_frees_for_the_next_step(setting, kept):
+    """With ``keep_freed_memory`` (every child calls it) a freed 16 MiB tensor stays in the
+    process for the next allocation of its size; with glibc's defaults it goes back to the
+    kernel at once, and the next one faults its pages in again."""
+    import subprocess
+    out = subprocess.run([PY, "-c", _RSS_AFTER_FREE], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PLEXUS_KEEP_FREED_MEMORY": setting}, check=True).stdout.split()
+    assert out[0] == str(kept)
+    assert (int(out[1]) >= 15) == kept, out  # MiB still resident after the free

@@ -23,7 +23,10 @@ spends waiting for a receive or a send, averaged over the stages). torch has no 
 it, so the reference wraps the one function every torch schedule waits on,
 ``torch.distributed.pipelining.schedules._wait_batch_p2p`` (private; if it is gone the
 column says "not measured"), and divides its seconds by those of ``schedule.step``: the
-same definition. Peak memory is ``ru_maxrss`` of each stage process on both sides
+same definition. plexus's stage processes keep the memory they free for their next
+allocations (``cluster.child.keep_freed_memory``); the reference's run with glibc's
+defaults, as a torch user's would, unless ``--same-malloc``. Peak memory is ``ru_maxrss``
+of each stage process on both sides
 (``executor.peak_bytes``), which includes the interpreter, torch and the data set.
 """
 from __future__ import annotations
@@ -68,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a torch run may take before it is stopped as hung (default 300)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model and data order (default 0)")
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON list on the last line")
+    parser.add_argument("--same-malloc", action="store_true",
+                        help="give the reference's processes plexus's malloc setting too (keep freed memory, "
+                             "cluster/child.py); by default they run with glibc's, as a torch user's do")
 
 
 def _ints(name: str, text: str, least: int) -> list[int]:
@@ -152,7 +158,8 @@ def _row(args: argparse.Namespace, flat: dict[str, Any], root: Path, console) ->
                 if ours_error is None:
                     ours.append(result)
             elif side == "torch" and torch_error is None and ours:  # the cut comes from our run
-                result = _run_torch(flat, ours[0]["nodes"], root, args.warmup, args.steps, args.timeout)
+                result = _run_torch(flat, ours[0]["nodes"], root, args.warmup, args.steps, args.timeout,
+                                    args.same_malloc)
                 torch_error = result.get("error")
                 if torch_error is None:
                     theirs.append(result)
@@ -211,8 +218,11 @@ def _run_ours(flat: dict[str, Any], out: Path, warmup: int) -> dict[str, Any]:
 
 
 def _run_torch(flat: dict[str, Any], nodes: list[list[str]], root: Path, warmup: int, steps: int,
-               timeout: float) -> dict[str, Any]:
-    """The reference in K spawned processes; a hang or a failure becomes the row's line."""
+               timeout: float, same_malloc: bool = False) -> dict[str, Any]:
+    """The reference in K spawned processes; a hang or a failure becomes the row's line.
+    They run with glibc's malloc defaults, as a torch user's processes do, unless
+    ``same_malloc``: every child of plexus's launcher keeps the memory it frees
+    (``child.keep_freed_memory``), the spawned ones too."""
     from plexus.cluster.spawn import spawn
     from plexus.errors import JobFailed
 
@@ -220,7 +230,8 @@ def _run_torch(flat: dict[str, Any], nodes: list[list[str]], root: Path, warmup:
     try:
         results = spawn("plexus.bench.pipeline:measure_torch", flat["stages"],
                         {"flat": flat, "nodes": nodes, "data": str(root / "data"), "warmup": warmup,
-                         "steps": steps}, timeout=timeout, comm_timeout=min(120.0, timeout))
+                         "steps": steps}, timeout=timeout, comm_timeout=min(120.0, timeout),
+                        env={} if same_malloc else {"PLEXUS_KEEP_FREED_MEMORY": "0"})
     except JobFailed as e:
         if e.exit_code == 124:
             return {"error": f"hung after {time.monotonic() - started:.0f} s"}
