@@ -107,3 +107,52 @@ def test_a_child_keeps_the_memory_it_frees_for_the_next_step(setting, kept):
                          env={**os.environ, "PLEXUS_KEEP_FREED_MEMORY": setting}, check=True).stdout.split()
     assert out[0] == str(kept)
     assert (int(out[1]) >= 15) == kept, out  # MiB still resident after the free
+
+
+_INHERITED_GARBAGE = """
+import gc, os, sys
+from plexus.cluster.forkserver import ForkServer
+marks = sys.argv[1]
+class Finalised:
+    def __del__(self):
+        with open(marks, "a") as f:
+            f.write(f"{os.getpid()}\\n")
+gc.disable()  # the cycle below stays uncollected until the fork, as a test's leftovers may
+a, b = Finalised(), Finalised()
+a.other, b.other = b, a
+del a, b
+def entry():
+    gc.collect()
+    return 0
+forks = ForkServer(entry, warm=gc.collect)
+child = forks.start(dict(os.environ))
+assert child.wait(60) == 0
+forks.close()
+gc.enable()
+gc.collect()
+print(os.getpid())
+"""
+
+
+def test_what_the_launcher_left_uncollected_is_never_finalised_in_the_fork_server(tmp_path):
+    """A gloo process group left in a reference cycle by an earlier job once hung the next
+    job's fork server: it collected the group while warming, and the group's destructor
+    waited forever for threads that had not survived the fork. Inherited objects are now
+    frozen there: only the launcher finalises its garbage."""
+    import subprocess
+    marks = tmp_path / "finalised"
+    out = subprocess.run([PY, "-c", _INHERITED_GARBAGE, str(marks)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PLEXUS_START": "fork"})
+    assert out.returncode == 0, out.stderr
+    launcher = out.stdout.split()[-1]
+    assert marks.read_text().split() == [launcher, launcher]  # both objects, by the launcher alone
+
+
+def test_a_fork_server_that_does_not_exit_is_killed_by_close():
+    from plexus.cluster.forkserver import ForkServer
+    forks = ForkServer(lambda: 0, warm=lambda: time.sleep(600))  # never reads its socket
+    started = time.monotonic()
+    forks.close(timeout=1.0)
+    assert time.monotonic() - started < 10
+    with pytest.raises(ProcessLookupError):
+        os.kill(forks.pid, 0)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import json
+import logging
 import os
 import select
 import signal
@@ -40,10 +41,14 @@ from typing import Callable
 
 __all__ = ["can_fork", "ForkServer", "ForkedChild"]
 
+logger = logging.getLogger(__name__)
+
 _MAX_MESSAGE = 1 << 20
 # Seconds to wait for the fork server to start a child: the first waits for its warm-up
 # imports too, which took 8 s on a loaded machine here.
 _START_TIMEOUT = 120.0
+# Seconds the fork server has to exit once the launcher closes its socket.
+_CLOSE_TIMEOUT = 10.0
 _PR_SET_PDEATHSIG = 1
 
 
@@ -146,10 +151,21 @@ class ForkServer:
             pass
         raise OSError(f"the fork server (pid {self.pid}) exited")
 
-    def close(self) -> None:
+    def close(self, timeout: float = _CLOSE_TIMEOUT) -> None:
+        """End the fork server: it exits when its socket closes; one that has not within
+        ``timeout`` seconds (stuck, say, in a finaliser of something it inherited) is
+        killed. Its children die with it."""
         self._sock.close()
+        deadline = time.monotonic() + timeout
         try:
-            os.waitpid(self.pid, 0)
+            while os.waitpid(self.pid, os.WNOHANG)[0] == 0:
+                if time.monotonic() > deadline:
+                    logger.warning("plexus: the fork server (pid %d) did not exit within %g s of its socket "
+                                   "closing; killed", self.pid, timeout)
+                    os.kill(self.pid, signal.SIGKILL)
+                    os.waitpid(self.pid, 0)
+                    return
+                time.sleep(0.01)
         except ChildProcessError:
             pass
 
@@ -177,13 +193,18 @@ def _serve(sock: socket.socket, entry: Callable[[], int | None], parent: int,
     """The fork server's loop: fork a child per request, report every exit."""
     code = 0
     try:
+        # Everything inherited from the launcher stays uncollected here and in the
+        # children: its garbage may own threads that did not survive the fork (a gloo
+        # process group's destructor waits for them forever: seen when a test left one
+        # in a reference cycle and the next job's fork server collected it while warming).
+        gc.freeze()
         _die_with(parent)
         if warm is not None:
             try:
                 warm()
             except Exception:  # noqa: BLE001 - only an optimisation: each child imports what it needs
                 traceback.print_exc()
-        gc.freeze()  # the launcher's objects are never collected here, nor in the children
+        gc.freeze()  # nor what warming imported
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when to stop
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         live: set[int] = set()
