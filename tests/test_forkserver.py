@@ -150,7 +150,7 @@ def test_what_the_launcher_left_uncollected_is_never_finalised_in_the_fork_serve
 
 def test_a_fork_server_that_does_not_exit_is_killed_by_close():
     from plexus.cluster.forkserver import ForkServer
-    forks = ForkServer(lambda: 0, warm=lambda: time.sleep(600))  # never reads its socket
+    forks = ForkServer(lambda: 0, warm=signal.pause)  # never returns, never reads its socket
     started = time.monotonic()
     forks.close(timeout=1.0)
     assert time.monotonic() - started < 10
