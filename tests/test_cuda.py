@@ -20,7 +20,7 @@ no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has
     pytest.param(["--device", "cuda"], "--device cuda needs CUDA", marks=no_cuda),
     pytest.param(["--backend", "nccl"], "--backend nccl needs CUDA", marks=no_cuda),
     (["--device", "cpu", "--backend", "nccl"], "--backend nccl moves GPU tensors"),
-    pytest.param(["--device", "cuda", "--backend", "nccl", "--workers", "9"], "needs a GPU for each process",
+    pytest.param(["--device", "cuda", "--backend", "nccl", "--workers", "9", "--batch-size", "72"], "needs a GPU for each process",
                  marks=[cuda, pytest.mark.skipif(torch.cuda.device_count() >= 9, reason="9 GPUs or more")]),
 ])
 def test_a_device_or_backend_this_machine_cannot_give_is_one_line(flags, says, tmp_path):
