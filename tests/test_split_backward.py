@@ -76,3 +76,27 @@ def test_an_unused_parameter_has_no_gradient():
     x, w, unused = torch.randn(5, 4, requires_grad=True), torch.randn(3, 4, requires_grad=True), \
         torch.randn(2, requires_grad=True)
     _check([F.linear(x, w).square().sum()], [torch.ones(())], [x], [w, unused], split=True)
+
+
+def test_a_linears_w_is_added_into_the_accumulators_by_its_matrix_product():
+    """With ``into``, each Linear's weight and bias gradients (x @ W.t() + b as addmm, and
+    without a bias as mm) are added into the step's accumulators, made there where none is
+    yet, and returned as None; a parameter of another kind still comes back to be added."""
+    torch.manual_seed(4)
+    x = torch.randn(6, 4, requires_grad=True)
+    first, second = torch.nn.Linear(4, 8), torch.nn.Linear(8, 3, bias=False)
+    scale = torch.randn(3, requires_grad=True)
+    params = [first.weight, first.bias, second.weight, scale]
+    out = (second(torch.relu(first(x))) * scale).square().sum()
+    want = _whole([out], [torch.ones(())], params)
+    sb = SplitBackward([out], [torch.ones(())], [x], params)
+    assert sb.split is True and len(sb.linears) == 2 and len(sb.groups) == 1  # scale: a restart of its own
+    sb.input_gradients()
+    earlier = [torch.ones_like(first.weight), None, torch.full_like(second.weight, 2.0), None]
+    got = sb.weight_gradients(into=earlier)
+    assert got[:3] == [None, None, None]
+    torch.testing.assert_close(got[3], want[3])
+    torch.testing.assert_close(earlier[0], want[0] + 1)
+    torch.testing.assert_close(earlier[1], want[1])
+    torch.testing.assert_close(earlier[2], want[2] + 2)
+    assert earlier[3] is None

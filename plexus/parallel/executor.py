@@ -616,7 +616,7 @@ class StageExecutor:
             if op.kind == "W":
                 mb = live.pop(key)
                 began = time.time()
-                _add_gradients(grads, mb.split.weight_gradients(), mb.split.seeds)
+                _add_gradients(grads, mb.split.weight_gradients(into=grads), mb.split.seeds)
                 del mb  # its graph, kept for W, goes now, before the next op allocates its own
                 self._ops.append(("weight", began, time.time()))
                 continue
