@@ -1,7 +1,8 @@
 """The momentum an asynchronous pipeline (pipedream, pipedream-2bw) gets by default: each
-built-in model over 2-4 stages on digits (and mlp on mnist1d), at the default 300 steps,
-lr 0.1, under momentum 0.9 (the synchronous default), 0.7 and 0.5, beside the 1f1b
-pipeline with its defaults, seeds 0 and 1.
+built-in model over 2-4 stages on digits (and mlp on mnist1d), at the default 300 steps
+and each model's default rate (0.1; deep-mlp's has been 0.05 since the table in
+docs/results/pipedream-defaults.md was measured), under momentum 0.9 (the synchronous
+default), 0.7 and 0.5, beside the 1f1b pipeline with its defaults, seeds 0 and 1.
 
     python benchmarks/pipedream_defaults.py        # about 5 minutes on 2 cores
 
