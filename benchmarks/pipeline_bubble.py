@@ -6,7 +6,9 @@
     python benchmarks/pipeline_bubble.py --schedules 1f1b,interleaved   # --chunks 2
 
 Prints the markdown table of docs/results/pipeline.md. The last column is each stage's
-mean micro-batch backward and, under zb-h1, its W (weight gradient) apart, in ms.
+mean micro-batch backward (in brackets the part after it sent its input gradients: the
+weight gradients' addition, which the previous stage does not wait for) and, under zb-h1,
+its W (weight gradient) apart, in ms.
 ``--stages 2`` keeps the rows of two stages (a machine with two cores cannot give three
 stage processes a core each); ``--repeat N`` runs each row N times and prints the run
 whose measured bubble is the median.
@@ -34,9 +36,11 @@ def _ms(seconds: float | None) -> str:
 
 
 def _ops(stage: dict) -> str:
-    """A stage's mean micro-batch backward in ms, and under zb-h1 its W after a +."""
-    w = stage.get("weight_op_seconds")
-    return _ms(stage["backward_op_seconds"]) + ("" if w is None else f" + {_ms(w)}")
+    """A stage's mean micro-batch backward in ms (in brackets the part after its sends),
+    and under zb-h1 its W after a +."""
+    w, after = stage.get("weight_op_seconds"), stage.get("backward_after_send_seconds")
+    return _ms(stage["backward_op_seconds"]) + (f" ({_ms(after)})" if after else "") + \
+        ("" if w is None else f" + {_ms(w)}")
 
 
 def main() -> None:
@@ -52,7 +56,7 @@ def main() -> None:
              if schedule != "interleaved" or m % k == 0]
     lines = ["| stages | micro-batches | schedule | bubble predicted | simulated with measured op costs "
              "| bubble measured | per stage | gap to predicted | most micro-batches held | step ms "
-             "| backward / W op ms per stage |",
+             "| backward (after its sends) / W op ms per stage |",
              "|---:|---:|---|---:|---:|---:|---|---:|---:|---:|---|"]
     with tempfile.TemporaryDirectory() as tmp:
         for k, m, schedule in cases:

@@ -100,3 +100,31 @@ def test_a_linears_w_is_added_into_the_accumulators_by_its_matrix_product():
     torch.testing.assert_close(earlier[1], want[1])
     torch.testing.assert_close(earlier[2], want[2] + 2)
     assert earlier[3] is None
+
+
+def test_w_leaves_no_micro_batch_graph_alive_under_the_executors_hooks():
+    """W reads each Linear's saved input (node._saved_mat1). Under the executor's hooks,
+    which count the bytes autograd saves, a saved tensor kept with its grad_fn made that
+    read keep the whole micro-batch's graph alive (8 MB a step on a two-stage deep-mlp);
+    once the micro-batch is dropped, nothing of its graph may survive."""
+    import gc
+    import weakref
+    from plexus.parallel.executor import _counting_saved
+    torch.manual_seed(5)
+    first, second = torch.nn.Linear(8, 8), torch.nn.Linear(8, 3)
+    params = [first.weight, first.bias, second.weight, second.bias]
+    grads: list = [None] * 4
+    saved: dict = {}
+    x = torch.randn(4, 8, requires_grad=True)
+    with _counting_saved({p.data_ptr() for p in params}, saved):
+        hidden = torch.relu(first(x))
+        out = second(hidden).square().sum()
+    assert saved  # the activations were counted
+    alive = weakref.ref(hidden)
+    sb = SplitBackward([out], [torch.ones(())], [x], params)
+    sb.input_gradients()
+    sb.weight_gradients(into=grads)
+    assert all(g is not None and g.grad_fn is None for g in grads)
+    del sb, out, hidden, x
+    gc.collect()
+    assert alive() is None

@@ -280,6 +280,21 @@ def _add_gradients(grads: list[torch.Tensor | None], got, seeds: list[torch.Tens
             grads[i] = g
 
 
+def _counting_saved(params: set[int], saved: dict[int, int]) -> torch.autograd.graph.saved_tensors_hooks:
+    """Hooks that record in ``saved`` the bytes of each tensor autograd saves, by data
+    pointer, apart from the parameters (``params``, data pointers): a micro-batch's
+    activations held until its backward. A saved tensor is kept detached: one kept with
+    its grad_fn (a saved output) points back at the node that saved it, and once W read
+    it (``SplitBackward``, ``node._saved_mat1``) every micro-batch's graph stayed alive,
+    8 MB a step on a two-stage deep-mlp."""
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.data_ptr() not in params:
+            saved[tensor.data_ptr()] = tensor.numel() * tensor.element_size()
+        return tensor.detach()
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)
+
+
 class _Deposit(torch.autograd.Function):
     """A pipelined step's result for its synchroniser: the loss, whose backward leaves in
     each parameter the gradient the micro-batches accumulated (``grads``), once, as one
@@ -379,6 +394,7 @@ class StageExecutor:
         self.pipeline_s = self.pipeline_idle_s = 0.0
         # [sum, count] of micro-batch ops; weight: zb-h1's W, apart from its B (backward).
         self.op_seconds = {"forward": [0.0, 0], "backward": [0.0, 0], "weight": [0.0, 0]}
+        self.after_send_s = 0.0  # the backwards' seconds after their sends (adding into the accumulators)
         self.batch = cfg.run.batch_size // replicas  # this replica's slice of the global batch
         self.k = k = program.index
         self.step_runner = StageStep(program)
@@ -411,6 +427,7 @@ class StageExecutor:
                         tag="" if edge else "gather", transport=cfg.cluster.transport)
             (self.links if edge else self.gather_links)[peer] = link
         self._anchor = torch.zeros((), device=device, requires_grad=True)
+        self._linear_only: dict[int, bool] = {}  # per chunk: whether W can be matrix products alone
         self._sends: list[Work] = []
         self._sent: list[str] = []  # producers whose gradients come back, in _Exchange's order
         self.compute_s = self.idle_s = self.sync_s = 0.0
@@ -551,22 +568,17 @@ class StageExecutor:
         else:
             target = model
         if grad and p.model_inputs and x is not None and x.is_floating_point() and self.schedule is not None \
-                and self.schedule.splits_backward:
-            # zb-h1 on a stage that reads the model's input: B differentiates that input
-            # too, which is what lets W take only the weight products (SplitBackward)
-            # where a stage that receives nothing would have an empty B and a whole
-            # backward as W. The input's gradient is dropped.
+                and not self.asynchronous:
+            # A synchronous pipeline's stage that reads the model's input: B differentiates
+            # that input too, which is what lets W take only the weight products
+            # (SplitBackward, zb-h1's W and ``_linear_backward``) where a stage that receives
+            # nothing would have an empty B and a whole backward as W. The input's gradient
+            # is dropped, and autograd computes it only where B asks for it.
             x = x.detach().requires_grad_(True)
         params = {q.data_ptr() for q in (model.parameters() if weights is None else weights.values())}
         module = target if weights is None else (lambda *args: functional_call(target, weights, args))
         saved: dict[int, int] = {}
-
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
-            if tensor.data_ptr() not in params:
-                saved[tensor.data_ptr()] = tensor.numel() * tensor.element_size()
-            return tensor
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), torch.set_grad_enabled(grad):
+        with _counting_saved(params, saved), torch.set_grad_enabled(grad):
             values = runner.forward(received, {name: x for name in p.model_inputs}, module=module)
             loss = self.criterion(values[p.output], y) / self.microbatches if p.output is not None else None
         held = sum(saved.values()) if grad else \
@@ -633,9 +645,35 @@ class StageExecutor:
                 mb.split = SplitBackward(tensors, seeds, [leaf for _, leaf in leaves] + inputs, params)
                 got, mine = mb.split.input_gradients()[:len(leaves)], []
             else:
-                mine, got = self._gradients(params, tensors, seeds, [leaf for _, leaf in leaves])
+                weights = self._linear_backward(op.chunk, mb, tensors, seeds, leaves, params)
+                if weights is not None:  # B now, W by matrix products into the accumulators after the sends
+                    got, mine = weights.input_gradients()[:len(leaves)], []
+                else:
+                    mine, got = self._gradients(params, tensors, seeds, [leaf for _, leaf in leaves])
+                self._send_back(began, leaves, got, m, grads, mine, seeds, weights)
+                # B kept the graph for W: it goes now, not after the next forward.
+                del mb, weights, tensors, seeds
+                continue
             self._send_back(began, leaves, got, m, grads, mine, seeds)
         return self._end_pipeline(start, waited, grads, total, params)
+
+    def _linear_backward(self, chunk: int, mb: "_Microbatch", tensors: list[torch.Tensor],
+                         seeds: list[torch.Tensor], leaves: list[tuple[Transfer, torch.Tensor]],
+                         params: list[torch.Tensor]) -> SplitBackward | None:
+        """A micro-batch's backward as B then W where every parameter of the stage (its
+        chunk) is a Linear's: W adds each weight gradient into the step's accumulator in
+        its matrix product (``SplitBackward.weight_gradients(into=...)``) instead of
+        autograd writing a new gradient that is then added, about a third of a 1024-wide
+        layer's weight gradient on a CPU core. None where the graph has other parameters
+        or cannot be split; the answer is kept per chunk, whose graph is the same at
+        every micro-batch."""
+        if self._linear_only.get(chunk) is False:
+            return None
+        inputs = [mb.x] if mb.x is not None and mb.x.requires_grad else []
+        backward = SplitBackward(tensors, seeds, [leaf for _, leaf in leaves] + inputs, params)
+        usable = backward.split and not backward.groups and bool(backward.linears)
+        self._linear_only[chunk] = usable
+        return backward if usable else None
 
     def _end_pipeline(self, start: float, waited: int, grads: list[torch.Tensor | None], total: torch.Tensor,
                       params: list[torch.Tensor]) -> torch.Tensor:
@@ -648,6 +686,8 @@ class StageExecutor:
             tally = self.op_seconds["backward" if kind == "accumulate" else kind]
             tally[0] += b - a
             tally[1] += kind != "accumulate"
+            if kind == "accumulate":
+                self.after_send_s += b - a
         self.pipeline_idle_s += sum(b - a for a, b in self._waits[waited:])
         return self._deposit(grads, total, params)
 
@@ -685,7 +725,7 @@ class StageExecutor:
 
     def _send_back(self, began: float, leaves: list[tuple[Transfer, torch.Tensor]], got: list[torch.Tensor | None],
                    tag: int, grads: list[torch.Tensor | None], mine: list[torch.Tensor | None],
-                   seeds: list[torch.Tensor]) -> None:
+                   seeds: list[torch.Tensor], weights: SplitBackward | None = None) -> None:
         """The end of a micro-batch's backward that began at ``began``: send the received
         values' gradients ``got`` back, then add its parameters' gradients ``mine`` into
         the step's ``grads``. In that order, since the previous stage waits for the first
@@ -696,10 +736,13 @@ class StageExecutor:
         self._ops.append(("backward", began, time.time()))
         for (t, leaf), g in zip(leaves, got):
             self._send(t.src % self.stages, self._tag(t, tag, True), g if g is not None else torch.zeros_like(leaf))
-        if mine:
+        if mine or weights is not None:
             added = time.time()
-            _add_gradients(grads, mine, seeds)
-            mine.clear()  # no reference outlives the op: the next backward reuses its memory
+            if weights is not None:  # W of a stage of Linears, into the accumulators
+                _add_gradients(grads, weights.weight_gradients(into=grads), seeds)
+            else:
+                _add_gradients(grads, mine, seeds)
+                mine.clear()  # no reference outlives the op: the next backward reuses its memory
             self._ops.append(("accumulate", added, time.time()))
 
     def feed(self, batch_at: Callable[[int], tuple[torch.Tensor, torch.Tensor]], steps: int) -> None:
@@ -889,7 +932,9 @@ class StageExecutor:
                         "bubble": self.pipeline_idle_s / self.pipeline_s if self.pipeline_s else None,
                         "predicted_bubble": self.schedule.predicted_bubble(),
                         **{f"{kind}_op_seconds": total / count if count else None
-                           for kind, (total, count) in self.op_seconds.items()}}
+                           for kind, (total, count) in self.op_seconds.items()},
+                        "backward_after_send_seconds": self.after_send_s / self.op_seconds["backward"][1]
+                        if self.op_seconds["backward"][1] else None}
             if self.asynchronous:  # the run's mini-batches (--time-limit: those made) and the versions kept
                 made = make_schedule(self.cfg.parallel.schedule, self.stages, self.microbatches,
                                      vertical_sync=self.vertical_sync, minibatches=max(1, steps))
@@ -1005,7 +1050,7 @@ def stage_summary(records: dict[int, dict[str, Any]]) -> dict[str, Any]:
             "tensor_layers", "tensor_messages_sent", "tensor_bytes_sent", "tensor_messages_recv", "tensor_bytes_recv",
             "predicted_tensor_messages", "predicted_tensor_bytes", "max_in_flight", "peak_activation_bytes",
             "pipeline_seconds", "pipeline_idle_seconds", "bubble", "forward_op_seconds", "backward_op_seconds",
-            "weight_op_seconds", "weight_versions")
+            "weight_op_seconds", "backward_after_send_seconds", "weight_versions")
     ordered = sorted(records.values(), key=lambda r: (r.get("replica", 0), r["stage"], r.get("shard", 0)))
     stages = [{key: rec[key] for key in keys if key in rec} for rec in ordered]
     out = {"stages": stages, "stage_traffic": rows, "traffic_matches_plan": ok and bool(records)}
@@ -1027,9 +1072,12 @@ def stage_summary(records: dict[int, dict[str, Any]]) -> dict[str, Any]:
                                  minibatches=lane[0].get("minibatches"))
         # Under zb-h1 backward_op_seconds is B's and weight_op_seconds W's. simulate takes a
         # stage's cost of a micro-batch, which interleaved runs as v chunk ops, each measured.
+        # A backward's dependents wait only for its sends, not for the addition of its
+        # gradients after them (backward_after_send_seconds, part of backward_op_seconds).
         weights = [rec["weight_op_seconds"] for rec in lane] if schedule.splits_backward else None
         simulated = simulate(schedule, [v * rec["forward_op_seconds"] for rec in lane],
-                             [v * rec["backward_op_seconds"] for rec in lane], weights).bubble
+                             [v * rec["backward_op_seconds"] for rec in lane], weights,
+                             after_send=[v * (rec.get("backward_after_send_seconds") or 0.0) for rec in lane]).bubble
         # The bubble: the share of the pipelined part of its steps each stage spent waiting,
         # averaged over the stage processes, beside the schedule's closed form.
         out["pipeline"] = {"schedule": piped[0]["schedule"], "microbatches": piped[0]["microbatches"],

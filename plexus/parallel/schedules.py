@@ -398,14 +398,18 @@ class Timeline:
 
 
 def simulate(schedule: Schedule, forward: float | Sequence[float] = 1.0, backward: float | Sequence[float] = 2.0,
-             weight: float | Sequence[float] | None = None) -> Timeline:
+             weight: float | Sequence[float] | None = None,
+             after_send: float | Sequence[float] = 0.0) -> Timeline:
     """Run ``schedule``'s op lists in virtual time: ops of a stage one after another, each
     starting once the op it depends on in the neighbouring stage has ended (communication
     free). ``forward`` and ``backward`` are a stage's costs for one micro-batch: one for
     every stage, or one per stage (measured costs, say; a chunk op costs 1/v of them).
     Under zb-h1 ``backward`` is B's cost and ``weight`` W's; both default to half of
     ``backward``, the split of a whole backward into two equal halves; ``weight`` too may
-    be one per stage. Raises
+    be one per stage. ``after_send`` (one, or one per stage): the part of each backward
+    that runs after it has sent its input gradients, which the previous stage does not
+    wait for (the executor adds a micro-batch's parameter gradients into the step's
+    after sending); 0, the closed forms' atomic backward, by default. Raises
     ScheduleError when an op depends on one that never runs (a deadlock)."""
     k, v = schedule.stages, schedule.chunks
     forwards = [float(forward)] * k if isinstance(forward, (int, float)) else [float(f) for f in forward]
@@ -421,6 +425,9 @@ def simulate(schedule: Schedule, forward: float | Sequence[float] = 1.0, backwar
             raise ConfigError(f"simulate: {k} stages need {k} weight-gradient costs, got {len(weights)}")
     if schedule.splits_backward and weight is None:
         backwards = [b / 2 for b in backwards]
+    tails = [float(after_send)] * k if isinstance(after_send, (int, float)) else [float(t) for t in after_send]
+    if len(tails) != k:
+        raise ConfigError(f"simulate: {k} stages need {k} after-send costs, got {len(tails)}")
     costs = [{"F": forwards[s] / v, "B": backwards[s] / v, "W": (weights[s] if schedule.splits_backward else 0.0) / v}
              for s in range(k)]
     lists = [schedule.ops(s) for s in range(k)]
@@ -439,7 +446,8 @@ def simulate(schedule: Schedule, forward: float | Sequence[float] = 1.0, backwar
                     break
                 start = max([clock[s], *(ended[need] for need in needs)])
                 clock[s] = start + costs[s][op.kind]
-                ended[(op.kind, op.microbatch, virtual)] = clock[s]
+                # What depends on a backward waits only for its sends.
+                ended[(op.kind, op.microbatch, virtual)] = clock[s] - (tails[s] / v if op.kind == "B" else 0.0)
                 times[s].append((op, start, clock[s]))
                 position[s] += 1
                 progressed = True

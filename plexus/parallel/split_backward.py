@@ -169,21 +169,25 @@ class SplitBackward:
         if not self.split:
             return list(torch.autograd.grad(self.tensors, self.params, self.seeds, allow_unused=True))
         out: list[torch.Tensor | None] = [None] * len(self.params)
-        for node, w, b in self.linears:
-            dy = self.captured.get(node, (None,))[0]
-            if dy is None:
-                continue  # no gradient reached this layer
-            x = self._input(node)
-            acc = into if into is not None else out
-            if acc[w] is None:
-                acc[w] = torch.mm(dy.t(), x)
-            else:
-                acc[w].addmm_(dy.t(), x)
-            if b is not None:
-                if acc[b] is None:
-                    acc[b] = dy.sum(0)
+        acc = into if into is not None else out
+        # Not recorded: the saved input is an activation that requires grad, and a
+        # product recorded with it would tie the accumulator, and through the optimizer's
+        # buffers every later step, to this micro-batch's graph.
+        with torch.no_grad():
+            for node, w, b in self.linears:
+                dy = self.captured.get(node, (None,))[0]
+                if dy is None:
+                    continue  # no gradient reached this layer
+                x = self._input(node)
+                if acc[w] is None:
+                    acc[w] = torch.mm(dy.t(), x)
                 else:
-                    acc[b].add_(dy.sum(0))
+                    acc[w].addmm_(dy.t(), x)
+                if b is not None:
+                    if acc[b] is None:
+                        acc[b] = dy.sum(0)
+                    else:
+                        acc[b].add_(dy.sum(0))
         for restarts, indices in self.groups:
             edges, grads = [], []
             for node in restarts:
