@@ -295,6 +295,15 @@ def _counting_saved(params: set[int], saved: dict[int, int]) -> torch.autograd.g
     return torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)
 
 
+def _split_backward(mb: "_Microbatch", tensors: list[torch.Tensor], seeds: list[torch.Tensor],
+                    leaves: list[tuple[Transfer, torch.Tensor]], params: list[torch.Tensor]) -> SplitBackward:
+    """A micro-batch's backward split into B and W: B differentiates the received values
+    and, on a stage that reads the model's input, that input (made a leaf by
+    ``_forward``), whose gradient comes after the received values' and is dropped."""
+    inputs = [mb.x] if mb.x is not None and mb.x.requires_grad else []
+    return SplitBackward(tensors, seeds, [leaf for _, leaf in leaves] + inputs, params)
+
+
 class _Deposit(torch.autograd.Function):
     """A pipelined step's result for its synchroniser: the loss, whose backward leaves in
     each parameter the gradient the micro-batches accumulated (``grads``), once, as one
@@ -640,9 +649,9 @@ class StageExecutor:
                 if split:
                     live[key] = mb
             tensors, seeds, leaves = self._backward_targets(mb, wanted)
+            weights = None  # a W run right after the sends (a stage of Linears)
             if split:  # the input gradient only; the parameters' wait for W
-                inputs = [mb.x] if mb.x is not None and mb.x.requires_grad else []
-                mb.split = SplitBackward(tensors, seeds, [leaf for _, leaf in leaves] + inputs, params)
+                mb.split = _split_backward(mb, tensors, seeds, leaves, params)
                 got, mine = mb.split.input_gradients()[:len(leaves)], []
             else:
                 weights = self._linear_backward(op.chunk, mb, tensors, seeds, leaves, params)
@@ -650,11 +659,10 @@ class StageExecutor:
                     got, mine = weights.input_gradients()[:len(leaves)], []
                 else:
                     mine, got = self._gradients(params, tensors, seeds, [leaf for _, leaf in leaves])
-                self._send_back(began, leaves, got, m, grads, mine, seeds, weights)
-                # B kept the graph for W: it goes now, not after the next forward.
-                del mb, weights, tensors, seeds
-                continue
-            self._send_back(began, leaves, got, m, grads, mine, seeds)
+            self._send_back(began, leaves, got, m, grads, mine, seeds, weights)
+            # A graph B kept for a W that has run goes now, not after the next forward
+            # (zb-h1's stays in ``live`` until its W op).
+            del mb, weights, tensors, seeds
         return self._end_pipeline(start, waited, grads, total, params)
 
     def _linear_backward(self, chunk: int, mb: "_Microbatch", tensors: list[torch.Tensor],
@@ -669,8 +677,7 @@ class StageExecutor:
         every micro-batch."""
         if self._linear_only.get(chunk) is False:
             return None
-        inputs = [mb.x] if mb.x is not None and mb.x.requires_grad else []
-        backward = SplitBackward(tensors, seeds, [leaf for _, leaf in leaves] + inputs, params)
+        backward = _split_backward(mb, tensors, seeds, leaves, params)
         usable = backward.split and not backward.groups and bool(backward.linears)
         self._linear_only[chunk] = usable
         return backward if usable else None
@@ -728,7 +735,8 @@ class StageExecutor:
                    seeds: list[torch.Tensor], weights: SplitBackward | None = None) -> None:
         """The end of a micro-batch's backward that began at ``began``: send the received
         values' gradients ``got`` back, then add its parameters' gradients ``mine`` into
-        the step's ``grads``. In that order, since the previous stage waits for the first
+        the step's ``grads`` (or, with ``weights``, run that split backward's W into them).
+        In that order, since the previous stage waits for the first
         and nobody for the second: adding a stage's worth of parameters took 1.8 ms
         against 3.8 ms for the backward itself (deep-mlp, hidden 1024, 32 samples), which
         the previous stage would otherwise spend idle at every micro-batch. The op's time
