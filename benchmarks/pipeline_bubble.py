@@ -5,7 +5,10 @@
     python benchmarks/pipeline_bubble.py --schedules 1f1b,zb-h1
     python benchmarks/pipeline_bubble.py --schedules 1f1b,interleaved   # --chunks 2
 
-Prints the markdown table of docs/results/pipeline.md. The last column is each stage's
+Prints the markdown table of docs/results/pipeline.md. *Of it, starting sends*: the
+share of the pipelined time the stages spent in their send calls (``send_seconds``: the
+transport's copy of each message; receiving an arrived one costs about as much, see
+``benchmarks/hand_off.py``), averaged over the stages. The last column is each stage's
 mean micro-batch backward (in brackets the part after it sent its input gradients: the
 weight gradients' addition, which the previous stage does not wait for) and, under zb-h1,
 its W (weight gradient) apart, in ms.
@@ -55,9 +58,9 @@ def main() -> None:
              for schedule in schedules
              if schedule != "interleaved" or m % k == 0]
     lines = ["| stages | micro-batches | schedule | bubble predicted | simulated with measured op costs "
-             "| bubble measured | per stage | gap to predicted | most micro-batches held | step ms "
+             "| bubble measured | per stage | of it, starting sends | gap to predicted | most micro-batches held | step ms "
              "| backward (after its sends) / W op ms per stage |",
-             "|---:|---:|---|---:|---:|---:|---|---:|---:|---:|---|"]
+             "|---:|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---|"]
     with tempfile.TemporaryDirectory() as tmp:
         for k, m, schedule in cases:
             runs = [plexus.run({**BASE, "stages": k, "microbatches": m, "schedule": schedule,
@@ -66,9 +69,10 @@ def main() -> None:
             s = sorted(runs, key=lambda run: run["pipeline"]["bubble_measured"])[len(runs) // 2]  # the median run
             p = s["pipeline"]
             per_stage = " / ".join(f"{x['bubble']:.3f}" for x in s["stages"])
+            sends = sum(x["send_seconds"] / x["pipeline_seconds"] for x in s["stages"]) / len(s["stages"])
             lines.append(f"| {k} | {m} | {schedule} | {p['bubble_predicted']:.3f} | {p['bubble_simulated']:.3f} "
                          f"| {p['bubble_measured']:.3f} "
-                         f"| {per_stage} | {p['bubble_measured'] - p['bubble_predicted']:+.3f} "
+                         f"| {per_stage} | {sends:.3f} | {p['bubble_measured'] - p['bubble_predicted']:+.3f} "
                          f"| {' / '.join(str(x['max_in_flight']) for x in s['stages'])} "
                          f"| {1000 * s['wall_seconds'] / s['steps']:.1f} "
                          f"| {' / '.join(_ops(x) for x in s['stages'])} |")

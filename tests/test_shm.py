@@ -2,7 +2,6 @@
 Links that use it between two threads and between two processes."""
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 import os
 import subprocess
@@ -15,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from plexus.cluster import shm
-from plexus.cluster.group import Link
+from plexus.cluster.group import Link, link_pair
 from plexus.cluster.shm import INLINE, Inbox, Outbox, Token
 from plexus.cluster.spawn import spawn
 from plexus.cluster.traffic import Traffic
@@ -107,7 +106,7 @@ def test_a_message_no_region_can_hold_goes_inline(shm_dir, monkeypatch):
 ])
 def test_bad_tokens_raise_protocol_errors(shm_dir, field, value, message):
     out, inbox = pair(capacity=4096)
-    token = dataclasses.replace(send(out, torch.zeros(64)), **{field: value})
+    token = send(out, torch.zeros(64))._replace(**{field: value})
     with pytest.raises(ProtocolError, match=message):
         inbox.check(token, torch.empty(64))
 
@@ -144,24 +143,9 @@ def _store(timeout: float) -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", 0, None, True, timeout=dt.timedelta(seconds=timeout), wait_for_workers=False)
 
 
-def _link_pair(transport: str, timeout: float = 10.0) -> tuple[Link, Link]:
-    store = _store(timeout)
-    made: dict[str, Link] = {}
-
-    def make(me: str, peer: str) -> None:
-        made[me] = Link(store.clone(), me, peer, traffic=Traffic(), timeout=timeout, transport=transport)
-
-    threads = [threading.Thread(target=make, args=names) for names in (("a", "b"), ("b", "a"))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return made["a"], made["b"]
-
-
 @pytest.mark.parametrize("numel", [0, 1, 1000, 2_000_000])
 def test_link_over_shared_memory_delivers_every_dtype_and_size(shm_dir, numel):
-    a, b = _link_pair("shm")
+    a, b = link_pair("shm")
     assert a.transport == b.transport == "shm"
     for dtype in (torch.float32, torch.int64, torch.bfloat16):
         sent = torch.arange(numel).to(dtype)
@@ -177,7 +161,7 @@ def test_link_over_shared_memory_delivers_every_dtype_and_size(shm_dir, numel):
 
 def test_inline_messages_keep_their_order_with_ring_messages(shm_dir, monkeypatch):
     monkeypatch.setattr(shm, "MAX_CAPACITY", 1 << 16)
-    a, b = _link_pair("shm")
+    a, b = link_pair("shm")
     sizes = [10, 100_000, 20, 50_000, 5]  # 400 KB and 200 KB exceed the largest region
     gots = [torch.empty(n) for n in sizes]
     works = [b.irecv(got, b.peer_index) for got in gots]
@@ -190,7 +174,7 @@ def test_inline_messages_keep_their_order_with_ring_messages(shm_dir, monkeypatc
 
 
 def test_receives_match_by_tag_in_post_order_whenever_the_tokens_came(shm_dir):
-    a, b = _link_pair("shm")
+    a, b = link_pair("shm")
     for value, tag in ((1.0, 0), (2.0, 5), (3.0, 0)):  # all sent before any receive is posted
         a.isend(torch.full((4,), value), a.peer_index, tag).wait()
     late, first, second = torch.empty(4), torch.empty(4), torch.empty(4)
@@ -202,7 +186,7 @@ def test_receives_match_by_tag_in_post_order_whenever_the_tokens_came(shm_dir):
 
 
 def test_two_threads_receiving_on_one_link_each_get_their_own(shm_dir):
-    a, b = _link_pair("shm")
+    a, b = link_pair("shm")
     got: dict[int, float] = {}
 
     def receive(tag: int) -> None:
@@ -222,7 +206,7 @@ def test_two_threads_receiving_on_one_link_each_get_their_own(shm_dir):
 
 
 def test_a_closed_peer_is_lost_at_once_and_a_silent_one_times_out(shm_dir):
-    a, b = _link_pair("shm")
+    a, b = link_pair("shm")
     with pytest.raises(CommTimeout, match="b: receive of 16 bytes: a did not answer within 0.2 s"):
         b.recv_from_peer(torch.empty(4), timeout=0.2)
     a.close()
@@ -232,7 +216,7 @@ def test_a_closed_peer_is_lost_at_once_and_a_silent_one_times_out(shm_dir):
 
 
 def test_closing_a_link_ends_a_wait_on_it_in_another_thread(shm_dir):
-    a, b = _link_pair("shm")
+    a, b = link_pair("shm")
     errors: list[BaseException] = []
 
     def wait() -> None:
@@ -255,7 +239,7 @@ def test_closing_a_link_ends_a_wait_on_it_in_another_thread(shm_dir):
 def test_closing_a_link_twice_touches_no_other_file(shm_dir, tmp_path):
     """A second close (an owner's, then one on the way out) once wrote its wake-up byte to
     a descriptor number already freed: EBADF, or a byte in whatever file took the number."""
-    a, b = _link_pair("shm")
+    a, b = link_pair("shm")
     b.close()
     files = [open(tmp_path / f"f{i}", "wb") for i in range(8)]  # they take the freed numbers
     try:
@@ -268,7 +252,7 @@ def test_closing_a_link_twice_touches_no_other_file(shm_dir, tmp_path):
 
 
 def test_a_message_longer_than_posted_is_a_protocol_error_not_a_crash(shm_dir):
-    a, b = _link_pair("shm")
+    a, b = link_pair("shm")
     work = a.isend(torch.zeros(100), a.peer_index)
     with pytest.raises(ProtocolError, match="400 bytes where 40 were posted"):
         b.recv_from_peer(torch.empty(10))
@@ -277,7 +261,7 @@ def test_a_message_longer_than_posted_is_a_protocol_error_not_a_crash(shm_dir):
 
 
 def test_socket_transport_and_bad_transport(shm_dir):
-    a, b = _link_pair("socket")
+    a, b = link_pair("socket")
     assert a.transport == "socket" and not os.listdir(shm_dir)
     a.close(), b.close()
     with pytest.raises(ConfigError, match="transport must be one of auto, socket, shm"):

@@ -16,6 +16,7 @@ import datetime as dt
 import logging
 import os
 import secrets
+import threading
 import time
 from typing import Callable, Sequence
 
@@ -28,7 +29,7 @@ from plexus.cluster.shm import Inbox, Outbox, host_id, make_fifo, new_base, open
 from plexus.cluster.shm_channel import Channel
 from plexus.errors import CommError, CommTimeout, ConfigError, PeerLost, ProtocolError
 
-__all__ = ["Endpoint", "Group", "Link", "Work", "make_process_group", "translate_error"]
+__all__ = ["Endpoint", "Group", "Link", "Work", "link_pair", "make_process_group", "translate_error"]
 # A shared-memory link's region name travels in this many bytes of its hello.
 _NAME_BYTES = 32
 # Tag offset of the bytes of a message too large for any shared-memory region.
@@ -139,14 +140,14 @@ class Endpoint:
     def _outgoing(self, tensor: torch.Tensor) -> torch.Tensor:
         """What a send hands the transport: ``tensor``, or its host copy where the
         transport moves host memory and ``tensor`` is on a GPU."""
-        return tensor.cpu() if self.host_memory and tensor.device.type != "cpu" else tensor
+        return tensor.cpu() if self.host_memory and not tensor.is_cpu else tensor
 
     def _incoming(self, tensor: torch.Tensor, then: Callable[[], None] | None = None
                   ) -> tuple[torch.Tensor, Callable[[], None] | None]:
         """Where a receive into ``tensor`` lands, and what to do once it has: ``tensor``
         and ``then``, or, where the transport moves host memory and ``tensor`` is on a GPU,
         a host buffer that is copied into ``tensor`` before ``then``."""
-        if not self.host_memory or tensor.device.type == "cpu":
+        if not self.host_memory or tensor.is_cpu:
             return tensor, then
         host = torch.empty(tensor.shape, dtype=tensor.dtype)
 
@@ -472,3 +473,21 @@ class Link(Endpoint):
         if self.shm is not None:
             self.shm.close()
         super().close()
+
+
+def link_pair(transport: str = "auto", timeout: float = 10.0) -> tuple[Link, Link]:
+    """Two ends of one Link, "a" and "b", both in this process (each opened by a thread of
+    its own, as two processes would), over a store of their own: for tests and for
+    benchmarks that time the calls without a second process."""
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=dt.timedelta(seconds=timeout), wait_for_workers=False)
+    made: dict[str, Link] = {}
+
+    def make(me: str, peer: str) -> None:
+        made[me] = Link(store.clone(), me, peer, traffic=Traffic(), timeout=timeout, transport=transport)
+
+    threads = [threading.Thread(target=make, args=names) for names in (("a", "b"), ("b", "a"))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return made["a"], made["b"]

@@ -165,16 +165,24 @@ class Channel:
     def _read(self, timeout: float) -> bytes | None:
         """One token from the FIFO, or None if none came within ``timeout`` (without the lock)."""
         if len(self._partial) < TOKEN_BYTES:
-            ready = self._poll_in.poll(timeout * 1000)
-            if not ready or any(fd == self._wake_r for fd, _ in ready):
-                return None  # nothing yet, or closed here (``_broken`` says so)
-            try:
+            try:  # a token already there is read at once: poll() only to wait for one
                 chunk = os.read(self.rfd, 64 * TOKEN_BYTES)
             except BlockingIOError:
-                return None
+                chunk = None
             except OSError as exc:
                 self._broken = f"its link failed: {exc.strerror}"
                 return None
+            if chunk is None:
+                ready = self._poll_in.poll(timeout * 1000)
+                if not ready or any(fd == self._wake_r for fd, _ in ready):
+                    return None  # nothing yet, or closed here (``_broken`` says so)
+                try:
+                    chunk = os.read(self.rfd, 64 * TOKEN_BYTES)
+                except BlockingIOError:
+                    return None
+                except OSError as exc:
+                    self._broken = f"its link failed: {exc.strerror}"
+                    return None
             if not chunk:
                 self._broken = "its end of the link closed"
                 return None

@@ -404,6 +404,7 @@ class StageExecutor:
         # [sum, count] of micro-batch ops; weight: zb-h1's W, apart from its B (backward).
         self.op_seconds = {"forward": [0.0, 0], "backward": [0.0, 0], "weight": [0.0, 0]}
         self.after_send_s = 0.0  # the backwards' seconds after their sends (adding into the accumulators)
+        self.send_s = 0.0  # seconds starting sends (the transport's copy of each message): part of idle
         self.batch = cfg.run.batch_size // replicas  # this replica's slice of the global batch
         self.k = k = program.index
         self.step_runner = StageStep(program)
@@ -892,11 +893,19 @@ class StageExecutor:
 
     def _send(self, peer: int, tag: int, value: torch.Tensor) -> None:
         """Start sending ``value``. Starting may block (a shared-memory ring with no room
-        while the receiver is behind, or --net's delay): those seconds are waiting."""
+        while the receiver is behind, or --net's delay): those seconds are waiting. Each
+        torch call here costs 5-10 us right after a stage's matrix products have filled
+        the caches (against 1 warm), and a micro-batch makes several sends: only what
+        needs one gets a detach or a copy."""
         start = time.time()
-        value = value.detach().contiguous()
+        if value.requires_grad:
+            value = value.detach()
+        if not value.is_contiguous():
+            value = value.contiguous()
         self._sends.append(self.links[peer].isend(value, self.links[peer].peer_index, tag))
-        self._waits.append((start, time.time()))
+        end = time.time()
+        self._waits.append((start, end))
+        self.send_s += end - start
 
     def figures(self, steps: int) -> dict[str, Any]:
         """This stage's record for the summary (``stage_summary``): seconds computing
@@ -936,7 +945,7 @@ class StageExecutor:
             pipeline = {"microbatches": self.microbatches, "schedule": self.schedule.name, "chunks": len(self.chunks),
                         "max_in_flight": self.in_flight, "peak_activation_bytes": self.peak_activation_bytes,
                         "recompute": self.recompute, "pipeline_seconds": self.pipeline_s,
-                        "pipeline_idle_seconds": self.pipeline_idle_s,
+                        "pipeline_idle_seconds": self.pipeline_idle_s, "send_seconds": self.send_s,
                         "bubble": self.pipeline_idle_s / self.pipeline_s if self.pipeline_s else None,
                         "predicted_bubble": self.schedule.predicted_bubble(),
                         **{f"{kind}_op_seconds": total / count if count else None
@@ -1058,7 +1067,7 @@ def stage_summary(records: dict[int, dict[str, Any]]) -> dict[str, Any]:
             "tensor_layers", "tensor_messages_sent", "tensor_bytes_sent", "tensor_messages_recv", "tensor_bytes_recv",
             "predicted_tensor_messages", "predicted_tensor_bytes", "max_in_flight", "peak_activation_bytes",
             "pipeline_seconds", "pipeline_idle_seconds", "bubble", "forward_op_seconds", "backward_op_seconds",
-            "weight_op_seconds", "backward_after_send_seconds", "weight_versions")
+            "weight_op_seconds", "backward_after_send_seconds", "send_seconds", "weight_versions")
     ordered = sorted(records.values(), key=lambda r: (r.get("replica", 0), r["stage"], r.get("shard", 0)))
     stages = [{key: rec[key] for key in keys if key in rec} for rec in ordered]
     out = {"stages": stages, "stage_traffic": rows, "traffic_matches_plan": ok and bool(records)}

@@ -1,0 +1,101 @@
+"""What one pipeline hand-off costs beside a micro-batch's ops: a send over a shared-memory
+Link, and the receive of a message that has already arrived, for a micro-batch's
+activations (rows x 1024 float32), measured warm (back to back) and right after a stage's
+work (three 1024-wide matrix products, which leave the caches cold, as in a pipeline),
+beside the floor: the copy into the ring and the token's write alone. Then a 1024-wide
+Linear's three products at the same rows, one thread: the forward (``F.linear``, x W^T),
+B's input gradient (dY W) and W's weight gradient added into an accumulator (dY^T X).
+
+    python benchmarks/hand_off.py              # about 30 seconds
+
+Both ends live in this process (two Links over one store), so no process wakes another:
+what is timed is the work of each call. Prints two markdown tables, medians of 500 after
+100 to warm up (200 after 20 for the products).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import statistics
+import time
+
+import torch
+
+from plexus.cluster.group import link_pair
+
+WIDTH = 1024
+
+
+def _median_us(samples: list[float]) -> float:
+    return 1e6 * statistics.median(samples[100:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="32,64,128", help="comma-separated rows per message (default 32,64,128)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    a, b = link_pair("shm", timeout=30)
+    weight = torch.randn(WIDTH, WIDTH)
+    ring = torch.empty(8 << 20, dtype=torch.uint8)
+    rfd, wfd = os.pipe()
+    token = bytes(48)
+    print("| rows | KiB | caches | send us | receive (arrived) us | floor us (copy + token) | send / floor |")
+    print("|---:|---:|---|---:|---:|---:|---:|")
+    for rows in (int(r) for r in args.rows.split(",")):
+        x = torch.randn(rows, WIDTH)
+        for cold in (False, True):
+            send, recv, floor = [], [], []
+            for i in range(600):
+                y = x
+                if cold:
+                    for _ in range(3):
+                        y = x @ weight
+                t0 = time.perf_counter()
+                work = a.isend(y, a.peer_index, i % 8)
+                t1 = time.perf_counter()
+                into = torch.empty(rows, WIDTH)
+                b.irecv(into, b.peer_index, i % 8).wait()
+                t2 = time.perf_counter()
+                work.wait()
+                send.append(t1 - t0)
+                recv.append(t2 - t1)
+                if cold:
+                    for _ in range(3):
+                        y = x @ weight
+                t0 = time.perf_counter()
+                ctypes.memmove(ring.data_ptr(), y.data_ptr(), y.numel() * 4)
+                os.write(wfd, token)
+                floor.append(time.perf_counter() - t0)
+                os.read(rfd, 48)
+            s, f = _median_us(send), _median_us(floor)
+            print(f"| {rows} | {rows * WIDTH * 4 // 1024} | {'after 3 matmuls' if cold else 'warm'} | {s:.1f} "
+                  f"| {_median_us(recv):.1f} | {f:.1f} | {s / f:.2f} |", flush=True)
+    a.close(), b.close()
+    os.close(rfd), os.close(wfd)
+    print()
+    print("| rows | forward x W^T ms | B: dY W ms | W: acc += dY^T X ms | forward / B |")
+    print("|---:|---:|---:|---:|---:|")
+    bias, acc = torch.randn(WIDTH), torch.zeros(WIDTH, WIDTH)
+    for rows in (int(r) for r in args.rows.split(",")):
+        x, dy = torch.randn(rows, WIDTH), torch.randn(rows, WIDTH)
+        f = _time_ms(lambda: torch.nn.functional.linear(x, weight, bias))
+        bw = _time_ms(lambda: torch.mm(dy, weight))
+        w = _time_ms(lambda: acc.addmm_(dy.t(), x))
+        print(f"| {rows} | {f:.3f} | {bw:.3f} | {w:.3f} | {f / bw:.2f} |", flush=True)
+
+
+def _time_ms(op) -> float:
+    for _ in range(20):
+        op()
+    samples = []
+    for _ in range(200):
+        t0 = time.perf_counter()
+        op()
+        samples.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(samples)
+
+
+if __name__ == "__main__":
+    main()
