@@ -224,6 +224,15 @@ def test_an_asynchronous_pipeline_stops_on_time_over_sockets(schedule, tmp_path)
                        out=str(tmp_path / "run")))
     assert summary["status"] == "completed" and summary["steps"] > 10
     assert summary["pipeline"]["minibatches"] == summary["steps"]
+    # Stage k ran K - k forwards (of micro-batches) ahead of its backwards, one more than
+    # stage k + 1: each forward edge is left with one micro-batch's values that no stage
+    # took, and the traffic still matches the schedule's.
+    for row in summary["stage_traffic"]:
+        flying = 1 if row["dst"] == row["src"] + 1 else 0
+        assert row["messages_in_flight_at_stop"] == flying, row
+        assert row["messages_sent"] == row["predicted_messages"] == row["messages_received"] + flying
+        assert row["bytes_sent"] == row["predicted_bytes"] == row["bytes_received"] + row["bytes_in_flight_at_stop"]
+    assert summary["traffic_matches_plan"]
 
 
 @pytest.mark.parametrize("args, needles", [

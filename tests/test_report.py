@@ -473,6 +473,19 @@ def test_cut_traffic_off_the_plan_is_marked(tmp_path: Path) -> None:
     assert 'title="983,036 bytes"' in rows[1]
 
 
+def test_cut_traffic_in_flight_at_an_early_stop_still_matches() -> None:
+    """An asynchronous pipeline stopped by --time-limit: the forward edge's receiver took
+    one message fewer than was sent and predicted, and the row says how many were in
+    flight; the same shortfall without that count does not match."""
+    from plexus.report.stages import traffic_cells
+    row = {"src": 0, "dst": 1, "messages_sent": 31, "bytes_sent": 31 * 8192, "messages_received": 30,
+           "bytes_received": 30 * 8192, "predicted_messages": 31, "predicted_bytes": 31 * 8192,
+           "messages_in_flight_at_stop": 1, "bytes_in_flight_at_stop": 8192}
+    assert traffic_cells({"stage_traffic": [row]})[0][1]
+    lost = {key: value for key, value in row.items() if "in_flight" not in key}
+    assert not traffic_cells({"stage_traffic": [lost]})[0][1]
+
+
 def test_runs_without_stages_have_no_stage_views(tmp_path: Path) -> None:
     index = write_report([make_run(tmp_path, "plain")])
     page = index.read_text()

@@ -930,6 +930,9 @@ class StageExecutor:
             pair[0], pair[1] = pair[0] + m, pair[1] + b
         predicted = {f"{s}->{d}": [m * steps * m_count, b * steps] for (s, d), (m, b) in per_step.items()
                      if self.k in (s, d)}
+        in_flight: dict[str, list[int]] = {}
+        if self.asynchronous:
+            predicted, in_flight = self._asynchronous_traffic(steps)
         tensor = {}
         if self.tensor_plan is not None:
             plan = {key: value * m_count for key, value in
@@ -968,7 +971,44 @@ class StageExecutor:
                 "params": sum(p.numel() for p in self.program.module.parameters()),
                 "bytes_sent": self.traffic.bytes_sent, "bytes_recv": self.traffic.bytes_recv,
                 "snapshot_bytes_sent": self.gather_traffic.bytes_sent,
-                "sent": sent, "received": recv, "predicted": predicted}
+                "sent": sent, "received": recv, "predicted": predicted, "in_flight": in_flight}
+
+    def _asynchronous_traffic(self, steps: int) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+        """An asynchronous pipeline's traffic on this stage's edges over its first
+        ``steps`` steps, from the schedule's ops: what the sender sends (each forward sends
+        every value once, each backward every gradient), {"src->dst": [messages, bytes]},
+        and what of it the receiver has not taken by then, in flight at the stop. A run
+        cut short (--time-limit) leaves forwards in flight: stage k runs K - k forwards
+        ahead of its backwards, one more than stage k + 1, so each forward edge carries
+        the values of one more input than its receiver used. A run of its whole schedule
+        drains, and nothing is left in flight."""
+        done: dict[int, tuple[int, int]] = {}
+
+        def ops(j: int) -> tuple[int, int]:  # stage j's forwards and backwards in its first ``steps`` steps
+            if j not in done:
+                forwards = backwards = stepped = 0
+                for op in (self.schedule.iter_ops(j) if steps else ()):
+                    forwards, backwards = forwards + (op.kind == "F"), backwards + (op.kind == "B")
+                    stepped += op.step
+                    if stepped == steps:
+                        break
+                done[j] = (forwards, backwards)
+            return done[j]
+
+        sent: dict[str, list[int]] = {}
+        kept: dict[str, list[int]] = {}
+        for t in self.plan.transfers:
+            src, dst = t.src % self.stages, t.dst % self.stages
+            if self.k not in (src, dst):
+                continue
+            ways = [(src, dst, ops(src)[0], ops(dst)[0])]  # values: src's forwards, dst's
+            if t.grad:
+                ways.append((dst, src, ops(dst)[1], ops(src)[1]))  # gradients: dst's backwards, src's
+            for a, b, made, used in ways:
+                for table, count in ((sent, made), (kept, made - used)):
+                    row = table.setdefault(f"{a}->{b}", [0, 0])
+                    row[0], row[1] = row[0] + count, row[1] + t.nbytes * count // self.microbatches
+        return sent, {edge: row for edge, row in kept.items() if row != [0, 0]}
 
     def close(self) -> None:
         for link in (*self.links.values(), *self.gather_links.values(), *self.shard_links.values()):
@@ -1011,17 +1051,18 @@ def _recv_state(link: Link, like: dict[str, torch.Tensor]) -> dict[str, torch.Te
 
 
 def _replica_edges(records: dict[int, dict[str, Any]]) -> dict[tuple[int, int], dict[str, list[int]]]:
-    """One replica's edges {(src, dst): {"sent", "received", "predicted": [messages, bytes]}}
-    from its stages' records, keyed by stage."""
+    """One replica's edges {(src, dst): {"sent", "received", "predicted", "in_flight":
+    [messages, bytes]}} from its stages' records, keyed by stage."""
     edges: dict[tuple[int, int], dict[str, list[int]]] = {}
     for k, rec in records.items():
         for peer, (m, b) in rec["sent"].items():
             edges.setdefault((k, int(peer)), {})["sent"] = [m, b]
         for peer, (m, b) in rec["received"].items():
             edges.setdefault((int(peer), k), {})["received"] = [m, b]
-        for edge, mb in rec["predicted"].items():
-            src, dst = (int(v) for v in edge.split("->"))
-            edges.setdefault((src, dst), {})["predicted"] = list(mb)
+        for key in ("predicted", "in_flight"):
+            for edge, mb in rec.get(key, {}).items():
+                src, dst = (int(v) for v in edge.split("->"))
+                edges.setdefault((src, dst), {})[key] = list(mb)
     return edges
 
 
@@ -1037,7 +1078,10 @@ def stage_summary(records: dict[int, dict[str, Any]]) -> dict[str, Any]:
     --tensor-parallel T, for every shard, whose processes form a lane of the replica's
     stages) and on every edge (src, dst), the messages and bytes src sent, those dst
     received, and the plan's prediction for the steps made are all equal (so the totals
-    are the plan's per-replica traffic times R x T). ``tensor_traffic_matches_plan``:
+    are the plan's per-replica traffic times R x T); an asynchronous pipeline stopped
+    before its schedule's end (--time-limit) predicts from the schedule's ops and leaves
+    the values of inputs no stage will use in flight (``messages_in_flight_at_stop``):
+    then dst received what src sent less those. ``tensor_traffic_matches_plan``:
     likewise for each shard's collectives against ``tensor.predict_traffic``.
     ``stage_groups`` gives each group's synchronisation bytes and seconds (the job's
     strategy over one stage's shard in every replica; the summary adds its figures).
@@ -1051,15 +1095,17 @@ def stage_summary(records: dict[int, dict[str, Any]]) -> dict[str, Any]:
     for lane in sorted(lanes):
         for edge, e in _replica_edges(lanes[lane]).items():
             sent, recv, pred = e.get("sent", [0, 0]), e.get("received", [0, 0]), e.get("predicted", [0, 0])
+            flying = e.get("in_flight", [0, 0])
             if sent == recv == pred == [0, 0]:
                 continue  # the direction of a link that carries no gradient back
-            ok = ok and sent == recv == pred
-            total = totals.setdefault(edge, {"sent": [0, 0], "received": [0, 0], "predicted": [0, 0]})
-            for key, mb in (("sent", sent), ("received", recv), ("predicted", pred)):
+            ok = ok and sent == pred and [recv[0] + flying[0], recv[1] + flying[1]] == pred
+            total = totals.setdefault(edge, {key: [0, 0] for key in ("sent", "received", "predicted", "in_flight")})
+            for key, mb in (("sent", sent), ("received", recv), ("predicted", pred), ("in_flight", flying)):
                 total[key] = [total[key][0] + mb[0], total[key][1] + mb[1]]
     rows = [{"src": src, "dst": dst, "messages_sent": e["sent"][0], "bytes_sent": e["sent"][1],
              "messages_received": e["received"][0], "bytes_received": e["received"][1],
-             "predicted_messages": e["predicted"][0], "predicted_bytes": e["predicted"][1]}
+             "predicted_messages": e["predicted"][0], "predicted_bytes": e["predicted"][1],
+             "messages_in_flight_at_stop": e["in_flight"][0], "bytes_in_flight_at_stop": e["in_flight"][1]}
             for (src, dst), e in sorted(totals.items())]
     keys = ("stage", "replica", "shard", "group", "nodes", "compute_seconds", "predicted_compute_seconds", "predicted_seconds",
             "idle_seconds", "sync_seconds", "timeline", "peak_memory_bytes", "peak_memory_measure",
