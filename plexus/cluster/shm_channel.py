@@ -165,23 +165,15 @@ class Channel:
     def _read(self, timeout: float) -> bytes | None:
         """One token from the FIFO, or None if none came within ``timeout`` (without the lock)."""
         if len(self._partial) < TOKEN_BYTES:
-            try:  # a token already there is read at once: poll() only to wait for one
-                chunk = os.read(self.rfd, 64 * TOKEN_BYTES)
-            except BlockingIOError:
-                chunk = None
-            except OSError as exc:
-                self._broken = f"its link failed: {exc.strerror}"
-                return None
+            chunk = self._fifo()  # a token already there is read at once: poll() only to wait for one
             if chunk is None:
+                if self._broken is not None:
+                    return None
                 ready = self._poll_in.poll(timeout * 1000)
                 if not ready or any(fd == self._wake_r for fd, _ in ready):
                     return None  # nothing yet, or closed here (``_broken`` says so)
-                try:
-                    chunk = os.read(self.rfd, 64 * TOKEN_BYTES)
-                except BlockingIOError:
-                    return None
-                except OSError as exc:
-                    self._broken = f"its link failed: {exc.strerror}"
+                chunk = self._fifo()
+                if chunk is None:
                     return None
             if not chunk:
                 self._broken = "its end of the link closed"
@@ -191,6 +183,17 @@ class Channel:
             return None
         raw, self._partial = self._partial[:TOKEN_BYTES], self._partial[TOKEN_BYTES:]
         return raw
+
+    def _fifo(self) -> bytes | None:
+        """What the FIFO holds now (b"" once the peer's end is closed), or None when it
+        holds nothing or the read failed (``_broken`` then says why)."""
+        try:
+            return os.read(self.rfd, 64 * TOKEN_BYTES)
+        except BlockingIOError:
+            return None
+        except OSError as exc:
+            self._broken = f"its link failed: {exc.strerror}"
+            return None
 
     def _dispatch(self, raw: bytes) -> None:
         """Under the lock: hand a token to the first receive posted for its tag, or keep it."""
