@@ -55,10 +55,13 @@ LABELS = [label for label in MATRIX if MATRIX[label]["strategy"] != "allreduce"]
 # AD-PSGD (gossip --topology torus --async, 4 workers) once ended at 0.537 on mnist1d,
 # mean of both seeds, in CI's parallel stage (2026-11-26), where beside two copies of
 # itself it reached 0.66 to 0.67 and beside four CPU-bound processes 0.69 to 0.70.
+# easgd (asynchronous exchanges with its centre, 5 processes) ended at 0.607 on mnist1d,
+# mean of both seeds, in CI's parallel stage (2026-11-26 13:07), against a bar of 0.610;
+# alone on the machine the same seeds reached 0.652 and 0.648.
 # They run in the serial stage of ``make test``, where what they measure is their
 # defaults, not the machine's load.
 SERIAL = {"tree-ps --variant adv-star --consistency asp", "tree-ps --variant adv-star --consistency softsync",
-          "gossip --topology torus --async"}
+          "gossip --topology torus --async", "easgd"}
 
 
 @pytest.mark.slow
