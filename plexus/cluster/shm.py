@@ -246,6 +246,9 @@ class Outbox:
             self.pending.popleft()
 
     def _fit(self, need: int) -> int | None:
+        """Where ``need`` bytes go in the ring once what the receiver has copied out is
+        freed, or None while there is no room."""
+        self._release()
         generation, capacity = len(self.regions) - 1, self.region.capacity
         live = [(start, end) for _, g, start, end in self.pending if g == generation]
         if not live:
@@ -290,13 +293,11 @@ class Outbox:
         if need > self.region.capacity and not self._grow(need):
             offset = INLINE
         else:
-            self._release()
             offset = self._fit(need)
             if offset is None:  # the receiver is behind by more than the ring: wait for room
                 slot: list[int | None] = [None]
 
                 def placed() -> bool:
-                    self._release()
                     slot[0] = self._fit(need)
                     return slot[0] is not None
 

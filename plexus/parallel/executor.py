@@ -921,18 +921,9 @@ class StageExecutor:
             row = snap.get(self.name(peer), {"bytes_sent": 0, "bytes_recv": 0, "msgs_sent": 0, "msgs_recv": 0})
             sent[str(peer)] = [row["msgs_sent"], row["bytes_sent"]]
             recv[str(peer)] = [row["msgs_recv"], row["bytes_recv"]]
-        # A pipeline sends each transfer once per micro-batch, a 1/M share of the batch each.
         m_count = self.microbatches
-        # Under interleaved, the edges between virtual stages that join the same two processes, summed.
-        per_step: dict[tuple[int, int], list[int]] = {}
-        for (s, d), (m, b) in self.plan.traffic().items():
-            pair = per_step.setdefault((s % self.stages, d % self.stages), [0, 0])
-            pair[0], pair[1] = pair[0] + m, pair[1] + b
-        predicted = {f"{s}->{d}": [m * steps * m_count, b * steps] for (s, d), (m, b) in per_step.items()
-                     if self.k in (s, d)}
-        in_flight: dict[str, list[int]] = {}
-        if self.asynchronous:
-            predicted, in_flight = self._asynchronous_traffic(steps)
+        predicted, in_flight = self._asynchronous_traffic(steps) if self.asynchronous else \
+            (self._planned_traffic(steps), {})
         tensor = {}
         if self.tensor_plan is not None:
             plan = {key: value * m_count for key, value in
@@ -972,6 +963,18 @@ class StageExecutor:
                 "bytes_sent": self.traffic.bytes_sent, "bytes_recv": self.traffic.bytes_recv,
                 "snapshot_bytes_sent": self.gather_traffic.bytes_sent,
                 "sent": sent, "received": recv, "predicted": predicted, "in_flight": in_flight}
+
+    def _planned_traffic(self, steps: int) -> dict[str, list[int]]:
+        """The plan's traffic on this stage's edges over ``steps`` synchronous steps,
+        {"src->dst": [messages, bytes]}: each transfer once per micro-batch, a 1/M share of
+        the batch each; under interleaved, the edges between virtual stages that join the
+        same two processes summed."""
+        per_step: dict[tuple[int, int], list[int]] = {}
+        for (s, d), (m, b) in self.plan.traffic().items():
+            pair = per_step.setdefault((s % self.stages, d % self.stages), [0, 0])
+            pair[0], pair[1] = pair[0] + m, pair[1] + b
+        return {f"{s}->{d}": [m * steps * self.microbatches, b * steps] for (s, d), (m, b) in per_step.items()
+                if self.k in (s, d)}
 
     def _asynchronous_traffic(self, steps: int) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
         """An asynchronous pipeline's traffic on this stage's edges over its first
