@@ -97,7 +97,8 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(g, "peer-timeout", type=float, help="seconds of silence before a peer is lost (default 10)")
     _flag(g, "backend", choices=["auto", "gloo", "nccl"], help="communication backend")
     _flag(g, "transport", choices=list(TRANSPORTS),
-          help="point-to-point links: auto (shared memory on one machine), socket or shm")
+          help="point-to-point messages, all-reduce algorithms' too: auto (shared memory on one machine), "
+               "socket or shm")
     _flag(g, "device", choices=["auto", "cpu", "cuda"], help="compute device")
     _flag(g, "place", choices=["workers-first", "roles-first"],
           help="global ranks: workers first (servers on the last node under torchrun) or roles first")

@@ -146,3 +146,16 @@ def suite(group, lengths: list[int], big: int, big_dtypes: list[str], counter_le
     if group.size > 1:
         result["mismatches"] = mismatches(group)
     return result
+
+
+def linked(group, lengths: list[int], big: int, counter_length: int) -> dict:
+    """``suite``'s sums (float32), counters and mismatches with every member connected over
+    shared memory (``Group.connect``), as the training strategies connect them."""
+    torch.set_num_threads(1)
+    result = {"linked": group.connect(range(group.size), "shm"),
+              "sums": sums(group, lengths, big, ["float32"]), "counters": counters(group, counter_length)}
+    if group.size > 1:
+        result["mismatches"] = mismatches(group)
+    result["links_open"] = all(link.shm is not None for link in group.links.values())
+    return result
+

@@ -158,3 +158,143 @@ def test_auto_records_its_choice_and_the_modelled_times_behind_it(tmp_path):
     times = decision["modelled_seconds"]
     assert decision["chose"] == min(times, key=times.get) and summary["auto_chose"] == [decision["chose"]]
     assert decision["calls"] == 5 and decision["network"]["alpha"] > 0
+
+
+# --- over shared memory: a group's messages between members on one machine -------------
+
+LINKED_PROCS = [2, 3, 5]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("procs", LINKED_PROCS)
+def test_every_algorithm_over_shared_memory(procs):
+    """With every member connected (``Group.connect``, as allreduce and local-sgd connect
+    their peers) each algorithm gives the exact sum, the same bits as over gloo's sockets,
+    the bytes cost.py predicts, and ProtocolError on mismatched arguments."""
+    lengths = sorted({1, max(procs - 1, 1), procs + 1, 0})
+    linked = spawn("collective_fns:linked", procs,
+                   {"lengths": lengths, "big": BIG, "counter_length": COUNTER_LENGTH},
+                   timeout=240, comm_timeout=60, env={"PYTHONPATH": "tests"})
+    for rank, result in enumerate(linked):
+        assert result["linked"] == [m for m in range(procs) if m != rank] and result["links_open"]
+        bad = [row for row in result["sums"] if row["excess"] > 0]
+        assert not bad, f"rank {rank}: {bad[:3]}"
+        assert all(row["after"] == [procs] * 5 and "no error" not in (row["length"], row["dtype"])
+                   for row in result["mismatches"].values()), result["mismatches"]
+    sockets = {(row["algorithm"], row["n"], row["dtype"], row["op"]): row["digest"] for row in run(procs)[0]["sums"]}
+    for row in linked[0]["sums"]:
+        assert row["digest"] == sockets[(row["algorithm"], row["n"], row["dtype"], row["op"])], row
+    for name in linked[0]["counters"]:
+        model = _model(name, linked[0]["counters"][name], procs, COUNTER_LENGTH)
+        assert [r["counters"][name]["bytes"] for r in linked] == [b + model.check_bytes for b in model.sent], name
+
+
+def _pair(transport: str = "shm"):
+    """Two members of one group, both in this process (each made by a thread of its own,
+    as two processes would), connected with ``transport``."""
+    import datetime as dt
+    import threading
+
+    import torch.distributed as dist
+
+    from plexus.cluster.group import Group
+    from plexus.cluster.traffic import Traffic
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=dt.timedelta(seconds=20), wait_for_workers=False)
+    made, linked = {}, {}
+
+    def make(rank: int) -> None:
+        made[rank] = Group(store.clone(), "pair", rank, ["worker 0", "worker 1"], traffic=Traffic(), timeout=10)
+        linked[rank] = made[rank].connect([1 - rank], transport)
+
+    threads = [threading.Thread(target=make, args=(r,)) for r in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return made[0], made[1], linked
+
+
+def test_a_connected_pair_moves_and_counts_messages_over_shared_memory():
+    import torch
+
+    a, b, linked = _pair()
+    try:
+        assert linked == {0: [1], 1: [0]} and a.links[1].transport == "shm"
+        got = torch.empty(1000)
+        recv = b.irecv(got, 0, tag=3)
+        a.isend(torch.arange(1000.0), 1, tag=3).wait()
+        recv.wait()
+        assert torch.equal(got, torch.arange(1000.0))
+        assert a.traffic.snapshot()["worker 1"]["bytes_sent"] == 4000
+        assert b.traffic.snapshot()["worker 0"]["bytes_recv"] == 4000
+    finally:
+        a.close()
+        b.close()
+
+
+def test_socket_transport_connects_nothing():
+    a, b, linked = _pair("socket")
+    try:
+        assert linked == {0: [], 1: []} and not a.links and not b.links
+    finally:
+        a.close()
+        b.close()
+
+
+def test_sends_on_a_connected_group_never_wait_for_the_receiver():
+    """Six 512 KiB messages (3 MiB, more than the first 1 MiB ring) are all sent before the
+    receiver takes any, as over gloo: in a ring or tree all-reduce two members may each
+    send the other several messages first. The ring moves to larger regions instead."""
+    import torch
+
+    a, b, _ = _pair()
+    try:
+        out = [torch.full((128 * 1024,), float(i)) for i in range(6)]
+        sends = [a.isend(t, 1, tag=5) for t in out]  # would wait for room, then time out, without eager
+        assert all(work.is_completed() for work in sends)
+        got = [torch.empty(128 * 1024) for _ in out]
+        for t in got:
+            b.irecv(t, 0, tag=5).wait(10)
+        assert all(torch.equal(g, o) for g, o in zip(got, out))
+        assert len(a.links[1].shm.outbox.regions) > 1
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_member_that_leaves_ends_the_others_receive_with_peer_lost():
+    import time
+
+    import torch
+
+    from plexus.errors import PeerLost
+
+    a, b, _ = _pair()
+    try:
+        b.close()
+        start = time.monotonic()
+        with pytest.raises(PeerLost, match="worker 1"):
+            a.irecv(torch.empty(10), 1, tag=5).wait(10)
+        assert time.monotonic() - start < 5
+    finally:
+        a.close()
+
+
+def test_algorithms_name_the_peers_they_exchange_messages_with():
+    from types import SimpleNamespace
+
+    from plexus.collectives import get_algorithm
+
+    def at(rank: int, size: int):
+        return SimpleNamespace(rank=rank, size=size)
+
+    assert get_algorithm("ring").peers(at(0, 5)) == {1, 4} and get_algorithm("ring").peers(at(1, 2)) == {0}
+    assert get_algorithm("native").peers(at(0, 4)) == set()
+    assert get_algorithm("master").peers(at(0, 4)) == {1, 2, 3} and get_algorithm("master").peers(at(2, 4)) == {0}
+    assert get_algorithm("rhd").peers(at(1, 4)) == {0, 2, 3}  # every other member unless an algorithm says
+    for name in ("ring", "master", "rhd", "dbtree", "ps", "hier"):  # symmetric: i names j iff j names i
+        algo = get_algorithm(name)
+        for size in (2, 3, 5, 8):
+            assert all((j in algo.peers(at(i, size))) == (i in algo.peers(at(j, size)))
+                       for i in range(size) for j in range(size) if i != j), (name, size)

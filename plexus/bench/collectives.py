@@ -16,7 +16,9 @@ native included, pays plexus's per-call argument check (``collectives/check.py``
 extra row ``backend`` is gloo's all-reduce called directly, without the check and the
 lane, to show what the check costs. The model columns are ``cost.py``'s with this
 cluster's alpha, beta and gamma (measured by ``auto.calibrate``). Every process uses one
-torch thread: P processes share this machine's cores.
+torch thread: P processes share this machine's cores. The algorithms' messages between
+processes on one machine go over shared memory, as in training (``--transport``,
+``Group.connect``); ``native`` and ``backend`` use gloo's own connections either way.
 
 Sizes take K, M, G suffixes in powers of 1024 (``4KB`` is 4096 bytes) and are rounded
 down to whole float32 elements.
@@ -62,6 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls per algorithm and size (default 2)")
     parser.add_argument("--local-size", type=int, default=0,
                         help="ranks per group for hier (default 0: ranks per machine, 2 on one machine)")
+    parser.add_argument("--transport", default="auto", choices=["auto", "socket", "shm"],
+                        help="what carries the algorithms' messages: auto (shared memory on one machine, as "
+                             "in training), socket (gloo's) or shm")
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON list on the last line")
 
 
@@ -112,7 +117,7 @@ def main(args: argparse.Namespace) -> int:
         budget = 120.0 + sum(calls * (0.02 + p * size / 1e9) for size in sizes) * 5
         results = spawn("plexus.bench.collectives:measure", p,
                         {"algorithms": names, "sizes": sizes, "reps": args.reps, "warmup": args.warmup,
-                         "local_size": args.local_size},
+                         "local_size": args.local_size, "transport": args.transport},
                         timeout=budget, comm_timeout=120.0)
         rows += _rows(results, names, sizes, p)
     Console().print(_table(rows))
@@ -198,7 +203,8 @@ def _table(rows: list[dict[str, Any]]):
 # ---------------------------------------------------------------------------------------
 # Inside each spawned process.
 
-def measure(group, algorithms: list[str], sizes: list[int], reps: int, warmup: int, local_size: int) -> dict:
+def measure(group, algorithms: list[str], sizes: list[int], reps: int, warmup: int, local_size: int,
+            transport: str = "auto") -> dict:
     """This rank's measurements: {"network": alpha/beta/gamma, "sizes": {size: {algorithm:
     {"seconds": [per round], "bytes": sent in the traced call, "log": its messages}}}}."""
     import torch
@@ -217,6 +223,7 @@ def measure(group, algorithms: list[str], sizes: list[int], reps: int, warmup: i
             contenders[name] = Hierarchical(local_size=local_size)
         else:
             contenders[name] = ALGORITHMS[name]()
+    group.connect(range(group.size), transport)
     network = Auto().network(group)  # measured once per group; auto's choices use the same numbers
     out: dict[str, Any] = {"network": {"alpha": network.alpha, "beta": network.beta, "gamma": network.gamma},
                            "sizes": {}}

@@ -18,7 +18,7 @@ import os
 import secrets
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -285,8 +285,57 @@ class Group(Endpoint):
             raise translate_error(exc, names[rank], f"forming group {name}", "a member", timeout) from None
         super().__init__(pg, rank, names, traffic, timeout, net)
         self.name = name
+        self.backend = backend
         # The job store it was made over, for control records of code that uses the group.
         self.store = store
+        # Members whose point-to-point messages go over a shared-memory Link (``connect``).
+        self.links: dict[int, Link] = {}
+
+    def connect(self, peers: Iterable[int], transport: str = "auto") -> list[int]:
+        """Carry the point-to-point messages to and from ``peers`` (member indices) over
+        shared memory from now on, where they run on this machine; returns the members that
+        are. Over gloo's sockets each message wakes the receiver's I/O thread, and on a
+        machine with as many busy processes as cores that thread preempts a computing one:
+        a two-worker ring all-reduce of 92 KB inside a training step took 1.4 ms over the
+        sockets and 0.47 ms over shared memory (docs/results/ddp-throughput.md).
+
+        A collective call: every member calls it at the same point, with no message of the
+        group in flight, and the relation must be symmetric (if i names j, j names i). The
+        links open pair by pair in one global order, so no two members wait on each other.
+        ``transport``: as ``Link``'s; ``socket`` (or a backend other than gloo) connects
+        nothing, ``shm`` raises ConfigError for a peer that cannot share memory. Sends over
+        these links never wait for the receiver (``Outbox``'s ``eager``), as gloo's do not."""
+        wanted = {int(p) for p in peers} - {self.rank} - set(self.links)
+        for p in wanted:
+            self._check_peer(p)
+        if transport == "socket" or self.backend != "gloo":
+            return []
+        for p in sorted(wanted, key=lambda p: (min(p, self.rank), max(p, self.rank))):
+            link = Link(self.store, self.me, self.names[p], traffic=self.traffic, timeout=self.timeout,
+                        net=self.net, tag=f"group/{self.name}/", transport=transport, eager=True)
+            if link.shm is None:  # another machine: gloo's pair of this group carries it as before
+                link.close()
+            else:
+                self.links[p] = link
+        return sorted(self.links)
+
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> Work:
+        link = self.links.get(peer)
+        if link is None:
+            return super().isend(tensor, peer, tag)
+        return link.isend(tensor, link.peer_index, tag)
+
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int = 0, counted: int | None = None) -> Work:
+        link = self.links.get(peer)
+        if link is None:
+            return super().irecv(tensor, peer, tag, counted)
+        return link.irecv(tensor, link.peer_index, tag, counted)
+
+    def close(self) -> None:
+        for link in self.links.values():
+            link.close()
+        self.links = {}
+        super().close()
 
 
 def _meet(store: dist.Store, me: str, peer: str, timeout: float, cancelled: Callable[[], bool]) -> None:
@@ -317,12 +366,13 @@ class Link(Endpoint):
     traffic counts are the same.
 
     ``cancelled``: polled while waiting for the peer to come, to give up early (a peer
-    declared lost meanwhile).
+    declared lost meanwhile). ``eager``: sends over shared memory never wait for the
+    receiver (``Outbox``).
     """
 
     def __init__(self, store: dist.Store, me: str, peer: str, *, traffic: Traffic, timeout: float,
                  backend: str = "gloo", net: NetSpec | None = None, tag: str = "",
-                 transport: str = "auto", cancelled: Callable[[], bool] | None = None) -> None:
+                 transport: str = "auto", cancelled: Callable[[], bool] | None = None, eager: bool = False) -> None:
         if me == peer:
             raise ValueError(f"{me}: a link needs two distinct processes")
         if transport not in TRANSPORTS:
@@ -345,7 +395,7 @@ class Link(Endpoint):
             raise ConfigError(f"--transport shm moves host memory; backend {backend} links use their own transport: "
                               f"pass --transport auto")
         if backend == "gloo" and transport != "socket":
-            self._open_shm(required=transport == "shm")
+            self._open_shm(required=transport == "shm", eager=eager)
 
     def _swap(self, mine: torch.Tensor) -> torch.Tensor:
         """Send ``mine`` and receive the peer's tensor of the same shape (set-up traffic,
@@ -359,14 +409,14 @@ class Link(Endpoint):
             raise translate_error(exc, self.me, "opening a link", self.peer, self.timeout) from None
         return theirs
 
-    def _open_shm(self, required: bool) -> None:
+    def _open_shm(self, required: bool, eager: bool) -> None:
         """Agree with the peer on shared memory: each side makes its outgoing region and its
         incoming FIFO and opens the other's; both use them only if both could (``shm.py``)."""
         base, nonce, why = new_base(), secrets.randbits(62), ""
         outbox = inbox = None
         rfd = wfd = -1
         try:
-            outbox = Outbox(base, nonce, self.me, self.peer)
+            outbox = Outbox(base, nonce, self.me, self.peer, eager)
             rfd = make_fifo(base)
         except (OSError, AttributeError) as exc:  # AttributeError: no posix_fallocate on this OS
             why = f"{self.me} cannot make shared-memory files in {os.path.dirname(base)}: {exc}"

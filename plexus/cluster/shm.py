@@ -225,10 +225,18 @@ class Token(NamedTuple):
 
 class Outbox:
     """The sending side of one direction: places messages in the ring of the newest
-    region. The receiver's consumed count lives in region 0, which is kept for life."""
+    region. The receiver's consumed count lives in region 0, which is kept for life.
 
-    def __init__(self, base: str, nonce: int, me: str, peer: str) -> None:
-        self.base, self.nonce, self.me, self.peer = base, nonce, me, peer
+    ``eager``: a send never waits for the receiver to take earlier messages, as a gloo send
+    never does; when the ring has no room it moves to a region at least twice as large and
+    twice the size of everything not yet taken (at most ten moves from 1 MiB to the 1 GiB
+    cap, past which it waits after all). Algorithms written for gloo need it: in an
+    all-reduce over a group two members may each send the other several messages before
+    either receives. Otherwise a send waits for room, which bounds what a slow receiver
+    costs in memory."""
+
+    def __init__(self, base: str, nonce: int, me: str, peer: str, eager: bool = False) -> None:
+        self.base, self.nonce, self.me, self.peer, self.eager = base, nonce, me, peer, eager
         self.peer_pid: int | None = None  # known once the peer said hello
         self.regions = [Region.create(base, 0, FIRST_CAPACITY, nonce)]
         self.seq = 0
@@ -294,6 +302,10 @@ class Outbox:
             offset = INLINE
         else:
             offset = self._fit(need)
+            if offset is None and self.eager:
+                live = sum(end - start for _, _, start, end in self.pending)
+                if self._grow(max(live + need, self.region.capacity)):  # at least doubles
+                    offset = 0  # the new region holds nothing yet
             if offset is None:  # the receiver is behind by more than the ring: wait for room
                 slot: list[int | None] = [None]
 

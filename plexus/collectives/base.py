@@ -176,6 +176,20 @@ class AllReduce(ABC):
         if work.numel():
             self._reduce(work, group)
 
+    def peers(self, group: Endpoint) -> set[int]:
+        """The members this rank sends to or receives from, by index in ``group``: all of
+        them unless an algorithm says fewer. Symmetric: if i names j, j names i."""
+        return set(range(group.size)) - {group.rank}
+
+    def connect(self, group: Endpoint, transport: str = "auto") -> None:
+        """Let the messages between this rank and its ``peers`` go over shared memory where
+        they run on one machine (``Group.connect``; views and links keep their transport).
+        A collective call: every member makes it after forming ``group`` and before its
+        first reduction there."""
+        connect = getattr(group, "connect", None)
+        if connect is not None and group.size > 1:
+            connect(self.peers(group), transport)
+
     def options(self, group: Endpoint, flat: torch.Tensor) -> tuple[int, int]:
         """Parameters of this call that every rank must share (checked with the
         arguments); runs on the lane just before the check."""

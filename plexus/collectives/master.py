@@ -17,6 +17,9 @@ __all__ = ["Master"]
 class Master(AllReduce):
     name = "master"
 
+    def peers(self, group: Endpoint) -> set[int]:
+        return set(range(1, group.size)) if group.rank == 0 else {0}
+
     def _reduce(self, flat: torch.Tensor, group: Endpoint) -> None:
         if group.rank != 0:
             back = group.irecv(flat, 0, TAG_GATHER)  # arrives after rank 0 has read ours

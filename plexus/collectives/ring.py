@@ -23,6 +23,9 @@ __all__ = ["Ring"]
 class Ring(AllReduce):
     name = "ring"
 
+    def peers(self, group: Endpoint) -> set[int]:
+        return {(group.rank + 1) % group.size, (group.rank - 1) % group.size} - {group.rank}
+
     def _reduce(self, flat: torch.Tensor, group: Endpoint) -> None:
         p, r = group.size, group.rank
         right, left = (r + 1) % p, (r - 1) % p

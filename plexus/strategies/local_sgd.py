@@ -50,6 +50,7 @@ class LocalSgdStrategy(Strategy):
         self.params = FlatParameters(model)
         self.group = ctx.worker_group()
         self.algorithm = get_algorithm(s.algorithm, s)
+        self.algorithm.connect(self.group, ctx.cfg.cluster.transport)
         self.optimizer = make_optimizer(model.parameters(), ctx.cfg.optim)
         self.schedule = AveragingSchedule(s.period, s.warmup_steps, s.adaptive)
         self.average_state = s.average_optimizer_state
