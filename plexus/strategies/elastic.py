@@ -251,6 +251,11 @@ class Membership:
 
 def discard(group: Any) -> None:
     """Drop a broken backend group now, so its connections close and every peer still
-    waiting on this process fails at once instead of at its timeout."""
+    waiting on this process fails at once instead of at its timeout. Its shared-memory
+    links (``Group.connect``) close their FIFOs, which ends the peers' waits the same way."""
+    for link in getattr(group, "links", {}).values():
+        if link.shm is not None:
+            link.shm.close()
+        link.pg = None
     group.pg = None
     gc.collect()
