@@ -304,7 +304,9 @@ class Group(Endpoint):
         links open pair by pair in one global order, so no two members wait on each other.
         ``transport``: as ``Link``'s; ``socket`` (or a backend other than gloo) connects
         nothing, ``shm`` raises ConfigError for a peer that cannot share memory. Sends over
-        these links never wait for the receiver (``Outbox``'s ``eager``), as gloo's do not."""
+        these links never wait for the receiver (``Outbox``'s ``eager``), as gloo's do not.
+        ``recv_any`` and the backend's collectives keep to gloo's connections: a message
+        from a connected peer reaches only a receive posted for that peer."""
         wanted = {int(p) for p in peers} - {self.rank} - set(self.links)
         for p in wanted:
             self._check_peer(p)
