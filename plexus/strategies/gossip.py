@@ -132,6 +132,9 @@ class GossipStrategy(Strategy):
         self.group = self.ctx.worker_group()
         self.lane = comm_executor(self.group)
         self.peers = self.topology.peers(self.rank)
+        # Neighbours on this machine exchange over shared memory (Group.connect): every
+        # member sends to and receives from the same neighbours, so the relation is symmetric.
+        self.group.connect(self.peers, self.ctx.cfg.cluster.transport)
         self.weights = self.topology.weights(self.rank)
         self.inbox = {j: torch.empty_like(self.params.flat) for j in self.peers}
         self.probe = ReplicaProbe(self.ctx, "gossip", self.model)
