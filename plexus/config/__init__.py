@@ -389,8 +389,9 @@ class ClusterConfig:
     slow: tuple[SlowSpec, ...] = ()
     kill: tuple[KillSpec, ...] = ()
     net: NetSpec = field(default_factory=NetSpec)
-    # What carries point-to-point links (parameter servers, aggregators, gossip, easgd, and
-    # the messages of allreduce's and local-sgd's all-reduce algorithms other than native):
+    # What carries point-to-point links (parameter servers, aggregators, gossip, easgd,
+    # D-PSGD's neighbours, and the messages of allreduce's and local-sgd's all-reduce
+    # algorithms other than native):
     # auto uses shared memory between processes on one machine and gloo's sockets
     # otherwise; socket always uses the sockets; shm requires shared memory.
     transport: Literal["auto", "socket", "shm"] = "auto"
