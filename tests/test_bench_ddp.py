@@ -26,6 +26,16 @@ def test_bench_ddp_rows(capsys):
     assert "ours / DDP" in out  # the table
 
 
+@pytest.mark.slow
+def test_bench_ddp_takes_the_transport_of_our_messages(capsys):
+    status = main(["bench", "ddp", "--models", "mlp", "--workers", "2", "--algorithms", "ring", "--dataset", "digits",
+                   "--batch-size", "32", "--steps", "4", "--warmup", "1", "--repeats", "1", "--transport", "socket",
+                   "--json"])
+    assert status == 0
+    [row] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert row["algorithm"] == "ring" and row["ratio"] > 0
+
+
 @pytest.mark.parametrize("flags, word", [(["--workers", "3"], "--workers 3"), (["--models", "gpt"], "gpt"),
                                          (["--algorithms", "smoke"], "smoke"), (["--repeats", "0"], "--repeats")])
 def test_bench_ddp_bad_flags(flags, word, capsys):

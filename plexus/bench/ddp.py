@@ -13,6 +13,9 @@ so the drift of a shared machine (other load, frequency changes) falls on both s
 
 DDP runs with its defaults (``gradient_as_bucket_view=False``, 25 MiB buckets unless
 ``--bucket-mb`` says otherwise), i.e. what a user gets when they wrap a model in DDP.
+Ours runs with the training default ``--transport auto``: the algorithms' messages
+between workers on one machine over shared memory (``native`` uses gloo's connections,
+as DDP does); ``--transport socket`` puts them on gloo's sockets too.
 """
 from __future__ import annotations
 
@@ -51,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bucket-mb", type=float, default=25.0,
                         help="gradient bucket size in MiB, ours and DDP's (default 25)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model and data order (default 0)")
+    parser.add_argument("--transport", default="auto", choices=["auto", "socket", "shm"],
+                        help="what carries our algorithms' messages: auto (shared memory on one machine, the "
+                             "training default), socket (gloo's, as DDP's) or shm")
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON list on the last line")
 
 
@@ -98,7 +104,7 @@ def main(args: argparse.Namespace) -> int:
     base = {"strategy": "allreduce", "dataset": args.dataset, "hidden": args.hidden,
             "batch_size": args.batch_size, "steps": args.warmup + args.steps, "eval_every": 0,
             "log_every": max(1, args.warmup or args.steps), "bucket_mb": args.bucket_mb, "seed": args.seed,
-            "threads": 1, "device": "cpu", "backend": "gloo"}
+            "threads": 1, "device": "cpu", "backend": "gloo", "transport": args.transport}
     if args.num_samples is not None:
         base["num_samples"] = args.num_samples
     console = Console(stderr=True)
