@@ -312,6 +312,21 @@ class Group(Endpoint):
             self._check_peer(p)
         if transport == "socket" or self.backend != "gloo":
             return []
+        if transport == "auto" and wanted:
+            # Members say which machine they run on, so that no link is set up (a gloo pair
+            # each) only to find its peer elsewhere; ``shm`` tries them all, to name the one
+            # that cannot.
+            hosts = dist.PrefixStore(f"group/{self.name}/hosts/", self.store)
+            mine = str(host_id())
+            hosts.set(str(self.rank), mine)
+            theirs = {}
+            for p in sorted(wanted):
+                try:
+                    theirs[p] = hosts.get(str(p)).decode()
+                except RuntimeError as exc:  # the store's own timeout: that member never came
+                    raise translate_error(exc, self.me, "connecting the group's links", self.names[p],
+                                          self.timeout) from None
+            wanted = {p for p in wanted if theirs[p] == mine}
         for p in sorted(wanted, key=lambda p: (min(p, self.rank), max(p, self.rank))):
             link = Link(self.store, self.me, self.names[p], traffic=self.traffic, timeout=self.timeout,
                         net=self.net, tag=f"group/{self.name}/", transport=transport, eager=True)
