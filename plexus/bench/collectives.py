@@ -54,6 +54,8 @@ def parse_size(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from plexus.config import TRANSPORTS
+
     parser.add_argument("--algorithms", default="all",
                         help="comma-separated all-reduce algorithms, or all (default all; native always runs; "
                              f"{BACKEND} is gloo's all-reduce without plexus's check, included in all)")
@@ -64,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls per algorithm and size (default 2)")
     parser.add_argument("--local-size", type=int, default=0,
                         help="ranks per group for hier (default 0: ranks per machine, 2 on one machine)")
-    parser.add_argument("--transport", default="auto", choices=["auto", "socket", "shm"],
+    parser.add_argument("--transport", default="auto", choices=list(TRANSPORTS),
                         help="what carries the algorithms' messages: auto (shared memory on one machine, as "
                              "in training), socket (gloo's) or shm")
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON list on the last line")

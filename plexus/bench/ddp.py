@@ -38,6 +38,8 @@ DDP = "ddp"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from plexus.config import TRANSPORTS
+
     parser.add_argument("--models", default="mlp,cnn", help="comma-separated models (default mlp,cnn)")
     parser.add_argument("--workers", default="2,4", help="comma-separated worker counts (default 2,4)")
     parser.add_argument("--algorithms", default="native,ring",
@@ -54,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bucket-mb", type=float, default=25.0,
                         help="gradient bucket size in MiB, ours and DDP's (default 25)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model and data order (default 0)")
-    parser.add_argument("--transport", default="auto", choices=["auto", "socket", "shm"],
+    parser.add_argument("--transport", default="auto", choices=list(TRANSPORTS),
                         help="what carries our algorithms' messages: auto (shared memory on one machine, the "
                              "training default), socket (gloo's, as DDP's) or shm")
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON list on the last line")

@@ -29,7 +29,7 @@ from plexus.cluster.shm import Inbox, Outbox, host_id, make_fifo, new_base, open
 from plexus.cluster.shm_channel import Channel
 from plexus.errors import CommError, CommTimeout, ConfigError, PeerLost, ProtocolError
 
-__all__ = ["Endpoint", "Group", "Link", "Work", "link_pair", "make_process_group", "translate_error"]
+__all__ = ["Endpoint", "Group", "Link", "Work", "group_pair", "link_pair", "make_process_group", "translate_error"]
 # A shared-memory link's region name travels in this many bytes of its hello.
 _NAME_BYTES = 32
 # Tag offset of the bytes of a message too large for any shared-memory region.
@@ -542,19 +542,33 @@ class Link(Endpoint):
         super().close()
 
 
-def link_pair(transport: str = "auto", timeout: float = 10.0) -> tuple[Link, Link]:
-    """Two ends of one Link, "a" and "b", both in this process (each opened by a thread of
-    its own, as two processes would), over a store of their own: for tests and for
-    benchmarks that time the calls without a second process."""
+def _both_ends(make: Callable[[dist.Store, int], Endpoint], timeout: float) -> tuple[Endpoint, Endpoint]:
+    """``make(store, i)`` for i = 0 and 1, each in a thread of its own (as two processes would
+    open them), over a store of their own."""
     store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=dt.timedelta(seconds=timeout), wait_for_workers=False)
-    made: dict[str, Link] = {}
-
-    def make(me: str, peer: str) -> None:
-        made[me] = Link(store.clone(), me, peer, traffic=Traffic(), timeout=timeout, transport=transport)
-
-    threads = [threading.Thread(target=make, args=names) for names in (("a", "b"), ("b", "a"))]
+    made: dict[int, Endpoint] = {}
+    threads = [threading.Thread(target=lambda i=i: made.__setitem__(i, make(store.clone(), i))) for i in range(2)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    return made["a"], made["b"]
+    return made[0], made[1]
+
+
+def link_pair(transport: str = "auto", timeout: float = 10.0) -> tuple[Link, Link]:
+    """Two ends of one Link, "a" and "b", both in this process: for tests and for
+    benchmarks that time the calls without a second process."""
+    names = ("a", "b")
+    return _both_ends(lambda store, i: Link(store, names[i], names[1 - i], traffic=Traffic(), timeout=timeout,
+                                            transport=transport), timeout)
+
+
+def group_pair(transport: str = "auto", timeout: float = 10.0) -> tuple[Group, Group]:
+    """Both members of one Group, "worker 0" and "worker 1", in this process, each
+    connected to the other with ``transport`` (``Group.connect``): for tests."""
+    def make(store: dist.Store, rank: int) -> Group:
+        group = Group(store, "pair", rank, ["worker 0", "worker 1"], traffic=Traffic(), timeout=timeout)
+        group.connect([1 - rank], transport)
+        return group
+
+    return _both_ends(make, timeout)
