@@ -78,6 +78,30 @@ def test_a_synchronous_job_across_two_hosts_gives_the_model_of_one_host(tmp_path
     assert (_same if tol == 0 else lambda a, b: _close(a, b, tol))(multi["model"], one)
 
 
+# Pipelines across hosts (per_node, flags, replicas): the stages of a replica exchange
+# activations and gradients between hosts over gloo's sockets and within one over shared
+# memory. "zb-h1-two-replicas-ps": host 1 holds replica 0 and replica 1's first stage,
+# host 2 replica 1's last stage and both stage groups' servers.
+PIPELINES = {
+    "1f1b-a-stage-per-host": ([1, 1], ["--stages", "2", "--microbatches", "4"], 1),
+    "zb-h1-two-replicas-ps": ([3, 3], ["--stages", "2", "--microbatches", "2", "--schedule", "zb-h1",
+                                       "--strategy", "ps", "--consistency", "bsp"], 2),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(PIPELINES))
+def test_a_pipeline_across_two_hosts_gives_the_model_of_one_host(tmp_path, case):
+    """The writer (replica 0's last stage) is not global rank 0, which hosts the store
+    without an agent: rank 0 must outlast the writer's reading of the records."""
+    per_node, flags, replicas = PIPELINES[case]
+    flags = [*flags, "--steps", "20"]
+    multi = _torchrun(tmp_path, per_node, flags, agent=False)
+    assert multi["status"] == "completed" and multi["workers"] == replicas
+    assert multi["processes"] == sum(per_node) and multi["traffic_matches_plan"] is True
+    assert _same(multi["model"], _local(tmp_path, [*flags, "--workers", str(replicas)]))
+
+
 # Jobs whose result depends on timing: across 2 hosts they must learn as well as on one,
 # at least 0.9x its accuracy. per_node is (host 1, host 2); workers-first puts the other
 # roles on host 2, beside workers: servers and workers mixed on one host.

@@ -137,15 +137,25 @@ def test_bad_stage_input_is_one_line_and_status_2(args, needle, capsys, tmp_path
     assert_usage_error(subprocess.CompletedProcess([], status, "", err), needle)
 
 
-def test_stages_under_torchrun_are_refused_in_one_line(monkeypatch, capsys, tmp_path):
-    from plexus.cli import main
-    for key, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
-                       ("MASTER_PORT", "29599")):
-        monkeypatch.setenv(key, value)
-    monkeypatch.delenv("PLEXUS_ROLE", raising=False)
-    status = main(["train", "--stages", "2", "--out", str(tmp_path / "x")])
-    assert_usage_error(subprocess.CompletedProcess([], status, "", capsys.readouterr().err),
-                       "--stages 2 under torchrun is not supported yet")
+@pytest.mark.slow
+def test_torchrun_runs_a_pipeline_as_the_local_launcher_does(tmp_path):
+    """torchrun's world of 2 is one replica's 2 stages; the last stage writes the run
+    directory. Same model as our own launcher, bit for bit (across hosts:
+    tests/test_many_hosts.py)."""
+    import os
+    import sys
+    from test_cli import plexus_cli
+    common = ["--stages", "2", "--microbatches", "4", "--steps", "20", "--save-model", "--quiet", "--json"]
+    ours = plexus_cli("train", *common, "--out", str(tmp_path / "ours"))
+    assert ours.returncode == 0, ours.stderr
+    theirs = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             "-m", "plexus.cli", "train", *common, "--out", str(tmp_path / "torchrun")],
+                            capture_output=True, text=True, timeout=180, env={**os.environ, "PLEXUS_TOKEN": "t"})
+    assert theirs.returncode == 0, theirs.stderr
+    summary = json.loads((tmp_path / "torchrun" / "summary.json").read_text())
+    assert summary["processes"] == 2 and summary["pipeline"]["schedule"] == "1f1b"
+    a, b = torch.load(tmp_path / "ours" / "model.pt"), torch.load(tmp_path / "torchrun" / "model.pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.slow

@@ -44,7 +44,7 @@ the ops up to the next optimizer step (pipedream: one input's backward; 2bw: a b
 micro-batches' last), inputs stay in flight across steps, and each forward and its
 backward use one stashed weight version (``stash.WeightStash``).
 
-Not yet: checkpoints, torchrun, --kill and --slow of a stage.
+Not yet: checkpoints, --kill and --slow of a stage.
 """
 from __future__ import annotations
 

@@ -24,10 +24,10 @@ import torch.distributed as dist
 from plexus.cluster.launcher import RoleSpec, launch
 from plexus.cluster.liveness import Pulse, exited_key, explain_loss
 from plexus.cluster.rendezvous import (ProcessInfo, connect_store, first_line, gloo_interface_towards,
-                                       host_store, job_namespace, new_token, store_set_json)
+                                       host_store, job_namespace, new_token, store_set_json, wait_keys)
 from plexus.collectives import get_algorithm
 from plexus.config import JobConfig
-from plexus.errors import CommError, ConfigError, JobFailed, JobInterrupted, PeerLost
+from plexus.errors import CommError, CommTimeout, ConfigError, JobFailed, JobInterrupted, PeerLost
 from plexus.strategies import strategy_class
 from plexus.train.checkpoint import CHECKPOINTS, checkpoint_fields
 from plexus.train.data import load_dataset
@@ -377,35 +377,42 @@ def run(config: JobConfig | dict[str, Any]) -> dict[str, Any]:
     return {**summary, "run_dir": str(run_dir)}
 
 
+# Set by the writer of a torchrun job once it holds every record (run_torchrun).
+_SUMMARISED_KEY = "job/summarised"
+
+
 def run_torchrun(cfg: JobConfig) -> dict[str, Any] | None:
     """One process of a job launched by torchrun: its role and rank within the role come
-    from the role plan (train/plan.py) at its global RANK of WORLD_SIZE. Worker 0 writes
-    the run directory and returns the summary; every other process returns None."""
+    from the role plan (train/plan.py) at its global RANK of WORLD_SIZE. Worker 0 (under
+    ``--stages``, replica 0's output stage) writes the run directory and returns the
+    summary; every other process returns None."""
     import dataclasses
-    from plexus.train.plan import Slot, plan_for_world
+    from plexus.train.plan import plan_for_world, writer_slot
     from plexus.train.preflight import check_applies
-    if cfg.parallel.partitioned:
-        raise ConfigError(f"{cfg.parallel.flags} under torchrun is not supported yet: run plexus train "
-                          f"{cfg.parallel.flags} with the local launcher")
+    from plexus.train.stage_groups import check_stages
     info = ProcessInfo.from_env()
     gloo_interface_towards(info.master_addr)  # before any link is made
     global_rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cfg, slots = plan_for_world(cfg, world)
     check_applies(cfg)
     strategy_class(cfg.strategy.strategy).check_config(cfg)
-    slot = slots[global_rank]
+    check_stages(cfg)
+    slot, writer = slots[global_rank], writer_slot(cfg)
     info = dataclasses.replace(info, role=slot.role, rank=slot.rank, world_size=cfg.cluster.workers)
     store = connect_store(info, cfg.cluster.timeout)
     pulse = Pulse(store, info.name, info.master_addr, cfg.cluster.timeout)
     run_dir = None
     try:
-        if slot.role != "worker":
-            role_main(cfg, info, store, None)
-        else:
-            if info.rank == 0:
-                warn_risks(cfg)
-                run_dir = prepare_run_dir(cfg)
+        if slot == writer:
+            warn_risks(cfg)
+            run_dir = prepare_run_dir(cfg)
+        if slot.role == "stage":
+            from plexus.train.stage_runner import stage_main
+            stage_main(cfg, info, store, run_dir)
+        elif slot.role == "worker":
             worker_main(cfg, info, store, run_dir)
+        else:
+            role_main(cfg, info, store, None)
         pulse.finish()
     except dist.DistError as exc:
         # The store or a gloo peer went away under this process (its host was cut off, or
@@ -417,11 +424,19 @@ def run_torchrun(cfg: JobConfig) -> dict[str, Any] | None:
         raise explain_loss(exc, store, info.name, [s.name for s in slots], info.master_addr) from None
     finally:
         pulse.stop()
-    if slot != Slot("worker", 0):
+    if slot != writer:
+        if info.hosts_store:
+            # The store lives in this process: stay until the writer has read the records
+            # (it waits up to --timeout for them), or it would lose them with the store.
+            try:
+                wait_keys(store, [_SUMMARISED_KEY], 2 * cfg.cluster.timeout, f"{writer.name}'s summary")
+            except CommTimeout as exc:
+                logger.warning("plexus: %s: %s", info.name, exc)
         return None
     # Under torchrun no launcher sees a process die: a peer that declared one lost says so in
     # the store, and the records wait only for the others.
     records = collect_records(cfg, store, wait=cfg.cluster.timeout)
+    store.set(_SUMMARISED_KEY, "1")
     summary = assemble_summary(cfg, records, records["lost"])
     summary["status"] = "completed"
     if run_dir is not None:

@@ -25,7 +25,7 @@ from plexus.config import JobConfig
 from plexus.errors import ConfigError
 from plexus.strategies import strategy_class
 
-__all__ = ["Slot", "format_plan", "other_roles", "plan_for_world", "role_plan", "stage_position"]
+__all__ = ["Slot", "format_plan", "other_roles", "plan_for_world", "role_plan", "stage_position", "writer_slot"]
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,16 @@ def plan_for_world(cfg: JobConfig, world_size: int) -> tuple[JobConfig, list[Slo
     fix = "start that many processes, or change --servers" if extra else "start that many processes"
     raise ConfigError(f"world size {world_size} does not fit strategy {cfg.strategy.strategy} ({roles} besides the "
                       f"workers): world sizes that fit are {', '.join(map(str, sorted(set(fits))))}; {fix}")
+
+
+def writer_slot(cfg: JobConfig) -> Slot:
+    """The process that writes the run directory and the summary under torchrun: worker 0,
+    or under ``--stages`` replica 0's output stage (its last: the plan cuts the model's
+    graph in order, and the output is the graph's last node), shard 0, which evaluates and
+    logs for the job (``stage_runner.stage_main``)."""
+    if cfg.parallel.partitioned:
+        return Slot("stage", (cfg.parallel.stages - 1) * cfg.parallel.tensor_parallel)
+    return Slot("worker", 0)
 
 
 def stage_position(rank: int, stages: int, shards: int = 1) -> tuple[int, int, int]:

@@ -39,6 +39,7 @@ from plexus.cluster.rendezvous import ProcessInfo, store_barrier, store_get_json
 from plexus.cluster.traffic import Traffic
 from plexus.config import JobConfig
 from plexus.config.defaults import is_asynchronous
+from plexus.errors import ProtocolError
 from plexus.cluster.group import Group
 from plexus.parallel.executor import StageExecutor, gather_state, shared_plan, stage_examples, stage_name
 from plexus.parallel.stages import build_stages, join_chunks
@@ -120,6 +121,8 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
         tensor = (split, tp_group)
     program.module.to(device)
     g = plan.output_stage % stages  # the process of the output's (virtual) stage
+    if g != stages - 1:  # plan.writer_slot gives the run directory to the last stage's process
+        raise ProtocolError(f"stage {i}: the model's output lies in stage {g} of {stages}, not the last")
     traffic = Traffic()
     own = StageExecutor(cfg, program, plan, store, device, backend, traffic, criterion=_loss, replica=r,
                         replicas=replicas, shard=t, shards=shards, tensor=tensor)
