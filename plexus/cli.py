@@ -1037,6 +1037,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     debug = "--debug" in argv
     logging.basicConfig(level=logging.INFO if debug else logging.WARNING, format="%(message)s")
     os.environ.setdefault("MPLCONFIGDIR", os.path.join(os.environ.get("TMPDIR", "/tmp"), "plexus-mpl"))
+    if not debug:
+        # c10d logs a failed store or socket call as a warning with its C++ stack (20 lines)
+        # before the error reaches plexus, which says in one line who was lost and where.
+        # Read when torch is first imported (not yet, here); --debug keeps them.
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     from plexus.errors import PlexusError
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -198,6 +198,32 @@ def test_a_lost_host_ends_a_synchronous_job_naming_its_ranks_and_leaves_no_proce
 
 
 @pytest.mark.slow
+def test_a_pipeline_that_loses_the_stores_host_ends_in_one_line_and_leaves_no_process(tmp_path):
+    """A stage per host, no agent: host 1 (stage 0, and the store in global rank 0) killed
+    mid-run. Stage 1 on host 2 fails at once with one line, and only that line (no c10d
+    warning with its C++ stack): it lost stage 0, and the store cannot be reached either.
+    (Under an agent, torchrun adds its own report of the failed child.)"""
+    out = tmp_path / "run"
+    flags = ["--stages", "2", "--microbatches", "4", "--steps", "100000", "--log-every", "5", "--timeout", "8"]
+    with netns.hosts(2) as (one, two):
+        procs = netns.start_train([one, two], [1, 1], flags, out, PORT, agent=False)
+        try:
+            _await_training(out, procs)
+            began = time.monotonic()
+            netns.kill_host(one)
+            _, err = procs[1].communicate(timeout=60)
+            detected = time.monotonic() - began
+        finally:
+            netns.kill_all(procs)
+        left = netns.pids(one) + netns.pids(two)
+    assert procs[1].returncode != 0 and detected < 15, detected
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("plexus: stage 1: ") and "lost stage 0" in lines[0], err[-2000:]
+    assert f"the job's store at {one.address} cannot be reached" in lines[0]
+    assert left == []
+
+
+@pytest.mark.slow
 def test_ad_psgd_outlives_a_lost_host_and_its_summary_names_the_lost_workers(tmp_path):
     """AD-PSGD (gossip --async) tolerates lost workers: host 2 (workers 2 and 3) killed
     mid-run; host 1's workers finish the budget, exit 0, and the summary names 2 and 3."""
