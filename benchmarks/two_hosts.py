@@ -1,5 +1,5 @@
-"""All-reduce algorithms and gossip across two real hosts on a shaped link, against the
-link's bound and against ``--net`` emulation on one host.
+"""All-reduce algorithms, gossip and a two-stage pipeline across two real hosts on a shaped
+link, against the link's bound and against ``--net`` emulation on one host.
 
 Two network namespaces on a bridge (``tests/netns.py``: own address, host name and
 /dev/shm each), every host's link shaped with tbf to ``--rate``, one torchrun node per
@@ -39,6 +39,9 @@ CONFIGS = {
     "allreduce auto": ["--strategy", "allreduce", "--algorithm", "auto"],
     "gossip ring": ["--strategy", "gossip"],
     "local-sgd --period 8": ["--strategy", "local-sgd", "--period", "8"],
+    # One replica cut in two, a stage per host: activations and their gradients cross the
+    # link, not the weights' gradients.
+    "pipeline, a stage per host (--stages 2 --microbatches 8)": ["--stages", "2", "--microbatches", "8"],
 }
 _RATES = {"kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8}
 
@@ -73,12 +76,21 @@ def two_hosts(flags: list[str], rate: str, out: Path, port: int) -> dict:
 
 
 def one_host(flags: list[str], rate: str, out: Path) -> dict:
-    done = subprocess.run([sys.executable, "-m", "plexus.cli", "train", *flags, "--workers", "2", "--net",
+    workers = "1" if "--stages" in flags else "2"  # two processes: 2 workers, or one replica's 2 stages
+    done = subprocess.run([sys.executable, "-m", "plexus.cli", "train", *flags, "--workers", workers, "--net",
                            f"bandwidth={rate}", "--quiet", "--json", "--out", str(out)],
                           capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise SystemExit(f"one-host run {flags} failed:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _most_sent(summary: dict) -> int:
+    """The most bytes one process sent: a worker, or a stage (its hand-offs and its stage
+    group's synchronisation; a replica's figure sums its stages)."""
+    if summary.get("stages"):
+        return max(s["bytes_sent"] + s["sync_bytes_sent"] for s in summary["stages"])
+    return max(b for b in summary["bytes_sent_per_worker"] if b is not None)
 
 
 def main() -> int:
@@ -93,7 +105,7 @@ def main() -> int:
     rate = _rate_bytes(args.rate)
     common = ["--dataset", "digits", "--model", "mlp", "--hidden", "1024", "--steps", str(args.steps),
               "--eval-every", "0", "--timeout", "120"]
-    rows = ["| configuration | s per step, 2 hosts | KB sent per worker per step | link bound (s) | "
+    rows = ["| configuration | s per step, 2 hosts | KB sent per process per step | link bound (s) | "
             "bound / measured | s per step, --net on one host | two hosts / --net |", "|---|---|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory() as tmp:
         for i, (label, flags) in enumerate(CONFIGS.items()):
@@ -103,7 +115,7 @@ def main() -> int:
             local = one_host([*flags, *common], args.rate, Path(tmp) / f"l{i}")
             steps = multi["steps"] if multi["steps_kind"] == "global" else multi["steps"] / multi["workers"]
             per_step = multi["wall_seconds"] / steps
-            sent = max(b for b in multi["bytes_sent_per_worker"] if b is not None) / steps
+            sent = _most_sent(multi) / steps
             bound = sent / rate
             local_steps = local["steps"] if local["steps_kind"] == "global" else local["steps"] / local["workers"]
             local_step = local["wall_seconds"] / local_steps
@@ -116,7 +128,8 @@ def main() -> int:
         f"Measured {time.strftime('%Y-%m-%d')} on this machine (2 cores) with `python benchmarks/two_hosts.py "
         f"--rate {args.rate} --steps {args.steps}`: two network namespaces on a bridge, each host's link shaped "
         f"with tbf to {args.rate}, torchrun with one node and one process per host; digits, an MLP of width "
-        f"1024 (about 4.5 MB of gradients). The bound is the bytes a worker sent per step over the link's rate.",
+        f"1024 (about 4.5 MB of gradients). The bound is the most bytes one process sent per step over the "
+        f"link's rate.",
         "", *rows, ""])
     print(text)
     if not args.no_write:
