@@ -393,9 +393,11 @@ class ParameterServerSim(Simulation):
 
     def _serve(self, only: _Worker | None = None) -> None:
         """Send the fresh weights to the waiting workers the gate lets read (``only``: to
-        that worker, if it may)."""
-        ready = [w for w in ([only] if only is not None else self.waiting)
-                 if w.alive and self.gate.may_serve(w.rank, w.clock)]
+        that worker, if it may and still waits: a push that arrives while the server applies
+        an update is served by that update's replies, at the same moment, and a second
+        reply would start a second chain of steps)."""
+        waiting = self.waiting if only is None else [w for w in self.waiting if w is only]
+        ready = [w for w in waiting if w.alive and self.gate.may_serve(w.rank, w.clock)]
         if ready:
             served = {id(w) for w in ready}
             self.waiting = [w for w in self.waiting if id(w) not in served and w.alive]
