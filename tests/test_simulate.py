@@ -98,6 +98,17 @@ def test_backup_workers_make_each_step_of_the_first_pushes_and_drop_the_late(tmp
     assert summary["wall_seconds"] < 0.6 * plain["wall_seconds"]  # no step waits for the straggler
 
 
+def test_a_synchronous_ps_run_stopped_at_its_target_counts_global_steps(tmp_path):
+    """ps bsp stops at its target with some workers one push ahead: still the job's steps of a
+    whole batch, as the real summary counts them (plexus simulate --validate divided a
+    "worker" count by P and showed 4x the time per step)."""
+    cfg = _cfg(strategy="ps", consistency="bsp", workers=4, batch_size=64, steps=150, target_accuracy=0.5,
+               eval_every=10, net="bandwidth=100mbit,latency=2ms")
+    summary = _sim(tmp_path, "bsp", cfg, compute=ComputeModel(per_sample=35e-6))
+    assert summary["time_to_target_seconds"] is not None and summary["steps"] < 150
+    assert summary["steps_kind"] == "global" and summary["samples"] == summary["steps"] * 64
+
+
 def test_a_worker_with_backup_workers_pushes_at_most_once_per_step(tmp_path):
     """16 workers, 2 backups, two 4x stragglers and jittered compute (the
     chen2016-backup-workers recipe): a worker pushes once per reply, each time on newer

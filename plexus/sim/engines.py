@@ -303,7 +303,9 @@ class ParameterServerSim(Simulation):
         out.virtual_seconds = self.end
         out.steps_per_worker = [w.steps for w in self.ws]
         out.steps = sum(out.steps_per_worker) if not self.synchronous else max(out.steps_per_worker)
-        out.samples = sum(out.steps_per_worker) * self.share
+        # As a real synchronous run counts them (summary.py): the job's steps of a whole batch,
+        # though a run stopped at its target has workers one push apart.
+        out.samples = (sum(out.steps_per_worker) if not self.synchronous else out.steps * p) * self.share
         if self.backups:  # the job's steps, each of P - b gradients; late pushes are dropped
             out.steps = self.version
             out.samples = self.version * (p - self.backups) * self.share
