@@ -197,6 +197,34 @@ def test_net_emulation_delays_sends():
     assert results[0] >= 0.45
 
 
+def test_net_emulation_over_shared_memory_lets_the_sender_go_on_and_delivers_on_arrival():
+    """40 kB at 1 MB/s (40 ms on the wire) with 100 ms latency: the first send returns at
+    once, its receive completes no earlier than 140 ms; a second send waits for the
+    interface to finish the first (40 ms) and arrives 40 ms after the first. Over gloo's
+    sockets a send waits the whole 140 ms itself (the test above)."""
+    import torch
+    from plexus.cluster.group import link_pair
+    a, b = link_pair("shm", net=parse_net("bandwidth=8mbit,latency=100ms"))
+    try:
+        message, into = torch.ones(10_000), torch.empty(10_000)
+        start = time.monotonic()
+        a.isend(message, a.peer_index).wait()
+        first_sent = time.monotonic() - start
+        receive = b.irecv(into, b.peer_index)
+        assert not receive.is_completed()  # its token is there, the message has not arrived
+        a.isend(message * 2, a.peer_index).wait()
+        second_sent = time.monotonic() - start
+        receive.wait()
+        first_in = time.monotonic() - start
+        b.irecv(into, b.peer_index).wait()
+        second_in = time.monotonic() - start
+    finally:
+        a.close()
+        b.close()
+    assert first_sent < 0.1 and 0.04 <= second_sent < 0.14, (first_sent, second_sent)
+    assert first_in >= 0.14 and second_in >= 0.18 and into[0].item() == 2.0, (first_in, second_in)
+
+
 # --- emulation and its flags ----------------------------------------------------------
 
 def test_flag_parsing():

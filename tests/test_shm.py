@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from plexus.cluster import shm
 from plexus.cluster.group import Link, link_pair
-from plexus.cluster.shm import INLINE, Inbox, Outbox, Token
+from plexus.cluster.shm import INLINE, TOKEN_BYTES, Inbox, Outbox, Token
 from plexus.cluster.spawn import spawn
 from plexus.cluster.traffic import Traffic
 from plexus.errors import CommTimeout, ConfigError, PeerLost, ProtocolError
@@ -112,10 +112,10 @@ def test_bad_tokens_raise_protocol_errors(shm_dir, field, value, message):
 
 
 def test_token_round_trip_and_magic():
-    token = Token(seq=3, tag=1, offset=INLINE, nbytes=10, generation=2)
+    token = Token(seq=3, tag=1, offset=INLINE, nbytes=10, generation=2, due=123_456_789)
     assert Token.decode(token.encode(), "a", "b") == token
     with pytest.raises(ProtocolError, match="not a shared-memory token"):
-        Token.decode(bytes(48), "a", "b")
+        Token.decode(bytes(TOKEN_BYTES), "a", "b")
 
 
 def test_a_region_must_carry_the_announced_nonce_and_name(shm_dir):

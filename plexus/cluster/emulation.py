@@ -4,7 +4,8 @@
 compute interval, which frees the CPU for the others on a small machine. ``--kill
 worker:K@step=N`` ends process K abruptly (SIGKILL, no clean-up) when it reaches step N;
 ``--kill ROLE:K@time=S`` ends any process S seconds after training started.
-Network delays (``--net``) are applied per send in ``group.py``.
+Network delays (``--net``) are applied per send in ``group.py``; over shared memory through
+this process's one emulated interface (``INTERFACE``).
 """
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ import time
 from contextlib import contextmanager
 from typing import Iterator
 
-from plexus.config import ClusterConfig
+from plexus.config import ClusterConfig, NetSpec
 
-__all__ = ["Emulator"]
+__all__ = ["Emulator", "Interface", "INTERFACE"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,3 +78,33 @@ class Emulator:
             self.before_kill()
         logging.shutdown()
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Interface:
+    """This process's one outgoing network interface under ``--net``, for the messages it
+    sends over shared memory. A message leaves once the interface has sent the ones before
+    it, takes bytes / bandwidth on the wire, and arrives latency after that. The sender
+    waits only while the interface still carries an earlier message (a send buffer of one
+    message), not for its own to arrive, so a pipeline stage computes while its
+    activations travel; the receiver sees the message when it arrives (``shm_channel``).
+    Sends of all threads and links share the interface, as they share a machine's network
+    card: a server's replies to many workers leave one after another."""
+
+    def __init__(self) -> None:
+        self._free = 0  # time.monotonic_ns() at which the last message is off the wire
+        self._lock = threading.Lock()
+
+    def send(self, net: NetSpec, nbytes: int) -> int:
+        """Wait for the interface to take a message of ``nbytes`` bytes; returns when it
+        arrives (``time.monotonic_ns()``, the same clock in every process of a machine)."""
+        wire = round(nbytes / net.bandwidth * 1e9) if net.bandwidth else 0
+        with self._lock:
+            now = time.monotonic_ns()
+            start = max(now, self._free)
+            self._free = start + wire
+        if start > now:
+            time.sleep((start - now) / 1e9)
+        return start + wire + round(net.latency * 1e9)
+
+
+INTERFACE = Interface()

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from plexus.cluster.traffic import Traffic
+from plexus.cluster.emulation import INTERFACE
 from plexus.config import TRANSPORTS, NetSpec
 from plexus.cluster.shm import Inbox, Outbox, host_id, make_fifo, new_base, open_fifo, peer_alive, unlink_quietly
 from plexus.cluster.shm_channel import Channel
@@ -489,10 +490,12 @@ class Link(Endpoint):
         self._check_peer(peer)
         tensor = self._outgoing(tensor)
         nbytes = _nbytes(tensor)
-        self._emulate(nbytes)
+        # Under --net the message leaves through this process's emulated interface and the
+        # receiver gets it when it arrives; the sender goes on (over sockets it waits).
+        due = INTERFACE.send(self.net, nbytes) if self.net is not None else 0
         what = f"send of {nbytes} bytes"
         try:
-            inline = self.shm.send(tensor, tag, self.timeout)
+            inline = self.shm.send(tensor, tag, self.timeout, due)
         except RuntimeError as exc:
             raise translate_error(exc, self.me, what, self.peer, self.timeout) from None
         self.traffic.sent(self.peer, nbytes)
@@ -555,12 +558,12 @@ def _both_ends(make: Callable[[dist.Store, int], Endpoint], timeout: float) -> t
     return made[0], made[1]
 
 
-def link_pair(transport: str = "auto", timeout: float = 10.0) -> tuple[Link, Link]:
+def link_pair(transport: str = "auto", timeout: float = 10.0, net: NetSpec | None = None) -> tuple[Link, Link]:
     """Two ends of one Link, "a" and "b", both in this process: for tests and for
     benchmarks that time the calls without a second process."""
     names = ("a", "b")
     return _both_ends(lambda store, i: Link(store, names[i], names[1 - i], traffic=Traffic(), timeout=timeout,
-                                            transport=transport), timeout)
+                                            transport=transport, net=net), timeout)
 
 
 def group_pair(transport: str = "auto", timeout: float = 10.0) -> tuple[Group, Group]:

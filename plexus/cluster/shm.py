@@ -58,7 +58,7 @@ __all__ = ["Outbox", "Inbox", "Region", "Token", "INLINE", "TOKEN_BYTES", "host_
 _CTRL = 64
 ALIGN = 64
 _MAGIC = 0x504C5853_5348  # "PLXSSH"
-_TOKEN = struct.Struct("<6q")  # magic, then a Token's fields
+_TOKEN = struct.Struct("<7q")  # magic, then a Token's fields
 TOKEN_BYTES = _TOKEN.size
 # Token offset of a message that travels inline over gloo.
 INLINE = -1
@@ -211,6 +211,7 @@ class Token(NamedTuple):
     offset: int      # in the ring of region ``generation``; INLINE: the bytes follow over gloo
     nbytes: int
     generation: int
+    due: int = 0     # under --net: when it arrives (time.monotonic_ns(); emulation.Interface)
 
     def encode(self) -> bytes:
         return _TOKEN.pack(_MAGIC, *self)
@@ -294,8 +295,9 @@ class Outbox:
             return False
         return True
 
-    def put(self, tensor: torch.Tensor, tag: int, timeout: float) -> Token:
-        """Copy ``tensor`` into the ring (caller holds ``lock``); returns its token."""
+    def put(self, tensor: torch.Tensor, tag: int, timeout: float, due: int = 0) -> Token:
+        """Copy ``tensor`` into the ring (caller holds ``lock``); returns its token, which
+        says the message arrives at ``due`` (``time.monotonic_ns()``; 0: at once)."""
         nbytes = tensor.numel() * tensor.element_size()
         need = _align(nbytes)
         if need > self.region.capacity and not self._grow(need):
@@ -318,7 +320,7 @@ class Outbox:
             if nbytes:
                 _copy_in(self.region, offset, tensor, nbytes)
             self.pending.append((self.seq, len(self.regions) - 1, offset, offset + need))
-        token = Token(self.seq, tag, offset, nbytes, len(self.regions) - 1)
+        token = Token(self.seq, tag, offset, nbytes, len(self.regions) - 1, due)
         self.seq += 1
         return token
 

@@ -34,6 +34,7 @@ class _Receive:
         self.error: CommError | None = None
         self.data: torch.Tensor | None = None   # a view's bytes in the ring, typed like ``into``
         self.seq: int | None = None             # a view's message, freed by ``release``
+        self.due = 0                            # when the message arrives under --net (monotonic ns)
 
 
 class Pending:
@@ -46,7 +47,8 @@ class Pending:
         self._channel.wait(self._receive, timeout.total_seconds())
 
     def is_completed(self) -> bool:
-        return self._receive.done
+        receive = self._receive
+        return receive.done and (receive.error is not None or time.monotonic_ns() >= receive.due)
 
     def data(self) -> torch.Tensor:
         """A completed view receive's message (its bytes in the ring until ``release``)."""
@@ -86,11 +88,12 @@ class Channel:
 
     # --- sending ---------------------------------------------------------------------------
 
-    def send(self, tensor: torch.Tensor, tag: int, timeout: float) -> object | None:
+    def send(self, tensor: torch.Tensor, tag: int, timeout: float, due: int = 0) -> object | None:
         """Put ``tensor`` in the ring and its token in the FIFO; returns the gloo work of an
-        inline message (to wait on), else None: the bytes are already in place."""
+        inline message (to wait on), else None: the bytes are already in place. ``due``:
+        when the receiver may have it (``time.monotonic_ns()``; 0: at once)."""
         with self.outbox.lock:
-            token = self.outbox.put(tensor, tag, timeout)
+            token = self.outbox.put(tensor, tag, timeout, due)
             self._write(token.encode(), tensor.numel() * tensor.element_size(), timeout)
             if token.offset == INLINE:
                 return self._inline_send(tensor.contiguous(), tag)
@@ -153,6 +156,9 @@ class Channel:
                 self._cond.notify_all()
         if receive.error is not None:
             raise receive.error
+        early = receive.due - time.monotonic_ns()
+        if early > 0:  # under --net: not before it arrives
+            time.sleep(early / 1e9)
 
     def _fail(self, receive: _Receive, error: CommError) -> None:
         """Under the lock: ``receive`` ends with ``error`` (no later token may match it)."""
@@ -225,6 +231,7 @@ class Channel:
                     ring = self.inbox.regions[token.generation].data
                     receive.data = ring[token.offset:token.offset + token.nbytes].view(receive.into.dtype)
                     receive.seq = token.seq  # freed by release
+            receive.due = token.due
             if receive.seq is None:
                 self.inbox.take(token, receive.into)
         except CommError as exc:

@@ -293,7 +293,10 @@ class KillSpec:
 
 @dataclass(kw_only=True, frozen=True)
 class NetSpec:
-    """``--net bandwidth=100mbit,latency=2ms``: every link send waits latency + bytes / bandwidth."""
+    """``--net bandwidth=100mbit,latency=2ms``: a message takes bytes / bandwidth on the wire
+    and arrives latency later. Over shared memory it leaves through the sending process's
+    one emulated card (``emulation.Interface``) and the receiver gets it on arrival; over
+    gloo's sockets the send itself waits ``delay``."""
 
     # Bytes per second; None for no bandwidth limit.
     bandwidth: float | None = None

@@ -5,8 +5,9 @@ server, D-PSGD on a ring, local SGD with H = 8), each configuration is trained f
 (``plexus train``'s code, in this process) and simulated with the same flags and seed.
 
 Every run, real and simulated, has the network ``--net`` (default
-``bandwidth=100mbit,latency=2ms``): the real runs emulate it (each send waits latency +
-bytes / bandwidth), the simulator takes it as alpha and 1/beta. On loopback without it a
+``bandwidth=100mbit,latency=2ms``): the real runs emulate it (``NetSpec``: a message is on
+the wire bytes / bandwidth, through one card per process, and arrives latency later), the
+simulator takes it as alpha and 1/beta. On loopback without it a
 message costs this machine's per-message CPU work and process scheduling, not a network
 (8 processes share 2 cores), which no alpha-beta model describes: ``--net none`` measures
 that case anyway.
