@@ -67,8 +67,10 @@ def sums(group, lengths: list[int], big: int, big_dtypes: list[str]) -> list[dic
                 t = xs[group.rank].clone()
                 algo(t, group, op)
                 want = exact / group.size if op == "mean" else exact
+                # auto: the algorithm it ran (its choice rests on timings measured on this group)
+                chose = algo.decisions()[-1]["chose"] if isinstance(algo, Auto) and algo.decisions() else name
                 rows.append({"algorithm": name, "n": n, "dtype": dtype, "op": op, "excess": _excess(t, want, dtype),
-                             "digest": _digest(t), "same_dtype": t.dtype == xs[0].dtype})
+                             "digest": _digest(t), "same_dtype": t.dtype == xs[0].dtype, "chose": chose})
     return rows
 
 
