@@ -97,7 +97,7 @@ class Interface:
     def send(self, net: NetSpec, nbytes: int) -> int:
         """Wait for the interface to take a message of ``nbytes`` bytes; returns when it
         arrives (``time.monotonic_ns()``, the same clock in every process of a machine)."""
-        wire = round(nbytes / net.bandwidth * 1e9) if net.bandwidth else 0
+        wire = round(net.wire(nbytes) * 1e9)
         with self._lock:
             now = time.monotonic_ns()
             start = max(now, self._free)

@@ -7,8 +7,9 @@ groups it belongs to. Every send and receive is counted in the process's ``Traff
 every wait has a timeout, and errors name the peer: ``CommTimeout`` when it did not
 answer, ``PeerLost`` when its connection broke.
 
-``--net`` emulation delays each send by latency + bytes / bandwidth in the sending
-thread, so slow networks show up on one machine without root.
+``--net`` emulation shows slow networks on one machine without root: over shared memory a
+message leaves through the process's emulated card (``emulation.Interface``) and arrives
+latency + bytes / bandwidth later; over gloo's sockets the sending thread waits that long.
 """
 from __future__ import annotations
 

@@ -303,9 +303,13 @@ class NetSpec:
     # Seconds added to every message.
     latency: float = 0.0
 
+    def wire(self, nbytes: int) -> float:
+        """Seconds ``nbytes`` bytes spend on the wire."""
+        return nbytes / self.bandwidth if self.bandwidth else 0.0
+
     def delay(self, nbytes: int) -> float:
         """Seconds a send of ``nbytes`` is held back."""
-        return self.latency + (nbytes / self.bandwidth if self.bandwidth else 0.0)
+        return self.latency + self.wire(nbytes)
 
 
 _ROLES = ("worker", "server", "aggregator", "coordinator")
