@@ -292,17 +292,27 @@ def _time_line(runs: Sequence[PlotRun], out: Path) -> Path | None:
     ax = fig.add_subplot()
     ax.set_title("Where each worker's time goes")
     ax.set_xlabel("time (s)")
+    # One collection of rectangles per colour: a bar each (ax.bar) made a patch per interval,
+    # and a few thousand patches took seconds to lay out and draw.
+    from matplotlib.collections import PolyCollection
+    boxes: list[list[np.ndarray]] = [[] for _ in _SPLIT_COLOURS]
+    end = 0.0
     for lane, (run, w, intervals) in enumerate(lanes):
         y = len(lanes) - 1 - lane
         arr = np.array(intervals)  # columns: start, end, compute, communication, other
-        widths = arr[:, 1] - arr[:, 0]
+        left, right = arr[:, 0], arr[:, 1]
+        end = max(end, float(right.max()))
         bottom = np.full(len(arr), y - 0.4)
-        for col, (_, colour) in enumerate(_SPLIT_COLOURS, start=2):
-            height = 0.8 * arr[:, col] / widths
-            ax.bar(arr[:, 0], height, width=widths, bottom=bottom, align="edge", color=colour, linewidth=0)
-            bottom = bottom + height
+        for col in range(len(_SPLIT_COLOURS)):
+            top = bottom + 0.8 * arr[:, col + 2] / (right - left)
+            boxes[col].append(np.stack([np.stack([left, bottom], 1), np.stack([right, bottom], 1),
+                                        np.stack([right, top], 1), np.stack([left, top], 1)], 1))
+            bottom = top
+    for (_, colour), parts in zip(_SPLIT_COLOURS, boxes):
+        ax.add_collection(PolyCollection(np.concatenate(parts), facecolors=colour, linewidths=0))
     ax.set_yticks(range(len(lanes)), [f"{run.label} w{w}" for run, w, _ in reversed(lanes)], fontsize="small")
-    ax.set_xlim(left=0)
+    ax.set_xlim(0, end * 1.02 if end > 0 else 1.0)
+    ax.set_ylim(-0.6, len(lanes) - 0.4)
     from matplotlib.patches import Patch
     ax.legend(handles=[Patch(color=colour, label=name) for name, colour in _SPLIT_COLOURS], fontsize="x-small",
               loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3)
