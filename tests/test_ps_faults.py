@@ -52,9 +52,12 @@ def test_evaluation_goes_on_when_worker_0_is_lost(tmp_path, strategy):
                           "momentum": 0.0, "lr": 0.1, "kill": "worker:0@step=5", "eval_every": 10,
                           "target_accuracy": 0.9, "out": str(tmp_path)})
     assert summary["lost_workers"] == [0]
-    assert summary["time_to_target_seconds"] is not None, summary
-    assert summary["final_test_accuracy"] >= 0.85
     evals = read_events(tmp_path, "eval")
+    # On failure, say which way it failed: evaluations that stopped after the loss, or an
+    # asynchronous run that never reached the target (its accuracies, its steps, its health).
+    seen = [(e["step"], round(e["test_accuracy"], 3)) for e in evals]
+    assert summary["time_to_target_seconds"] is not None, (seen[-12:], len(seen), summary)
+    assert summary["final_test_accuracy"] >= 0.85
     assert any(e["step"] > 5 for e in evals)  # snapshots after worker 0 was gone
     assert summary["steps"] < 2 * steps        # it stopped at the target, not at the step limit
 
