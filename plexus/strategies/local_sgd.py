@@ -21,6 +21,12 @@ Options:
   (``decentral/adacomm.py``). Every worker must pick the same H, so the round's mean
   loss rides as one extra element on the parameter all-reduce.
 
+Every averaging reduces the same buffers (the flat parameters; for the warm-up, the
+gradients; with optimizer state or AdaComm, one buffer holding all parts), so their
+arguments are checked across the group once, at the first averaging
+(``AllReduce.persistent``), as the allreduce strategy checks its buckets once: not
+ceil(log2 P) latency-bound rounds at every averaging.
+
 The global model evaluated is the average of the replicas, computed at each snapshot
 over an uncounted probe group (``replicas.py``); worker 0's own replica is evaluated too.
 """
@@ -31,6 +37,7 @@ from typing import Any
 import torch
 
 from plexus.collectives import get_algorithm
+from plexus.collectives.base import Persistent
 from plexus.config import JobConfig
 from plexus.decentral.adacomm import AveragingSchedule
 from plexus.decentral.averaging import FlatParameters, optimizer_buffers
@@ -59,6 +66,9 @@ class LocalSgdStrategy(Strategy):
         self.averagings = 0
         self.round_loss = 0.0
         self.round_steps = 0
+        # The buffers every averaging reduces, and their checked reductions, by name.
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.reductions: dict[str, tuple[torch.Tensor, Persistent]] = {}
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> StepStats:
         self.optimizer.zero_grad()
@@ -78,11 +88,27 @@ class LocalSgdStrategy(Strategy):
         self.steps += 1
         return StepStats(loss=value)
 
+    def _mean(self, name: str, tensor: torch.Tensor) -> None:
+        """Average ``tensor`` (the same storage at every call under one ``name``) across the
+        workers; its arguments are checked at the first call only."""
+        held = self.reductions.get(name)
+        if held is None or held[0] is not tensor:
+            held = self.reductions[name] = (tensor, self.algorithm.persistent(tensor, self.group, "mean"))
+        held[1]()
+
+    def _buffer(self, name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """A buffer kept across averagings (so that its reduction stays checked)."""
+        buf = self.buffers.get(name)
+        if buf is None or buf.numel() != numel:
+            buf = self.buffers[name] = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return buf
+
     def _average_gradients(self) -> None:
         """One synchronous step of post-local SGD's warm-up: mean of the gradients."""
         grads = self.params.grads()
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        self.algorithm(flat, self.group, "mean")
+        flat = self._buffer("gradients", self.params.numel, self.params.flat)
+        torch.cat([g.reshape(-1) for g in grads], out=flat)
+        self._mean("gradients", flat)
         offset = 0
         for p, g in zip(self.params.params, grads):
             n = g.numel()
@@ -97,14 +123,15 @@ class LocalSgdStrategy(Strategy):
         adaptive = self.schedule.rule is not None
         round_loss = self.round_loss / max(self.round_steps, 1)
         if not extras and not adaptive:
-            self.algorithm(flat, self.group, "mean")
+            self._mean("parameters", flat)
             mean_loss = round_loss
         else:
             parts = [flat] + [b.reshape(-1) for b in extras]
             if adaptive:
                 parts.append(torch.tensor([round_loss], dtype=flat.dtype, device=flat.device))
-            buf = torch.cat(parts)
-            self.algorithm(buf, self.group, "mean")
+            buf = self._buffer("averaged", sum(part.numel() for part in parts), flat)
+            torch.cat(parts, out=buf)
+            self._mean("averaged", buf)
             offset = 0
             for part in parts[:1 + len(extras)]:
                 n = part.numel()
