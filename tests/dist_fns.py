@@ -97,3 +97,21 @@ def link_pair(group) -> dict:
         link.send_to_peer(got * 10)
     link.close()
     return {"got": got.tolist(), "traffic": traffic.snapshot(), "transport": link.transport}
+
+
+def incast(group, numel: int) -> dict:
+    """Ranks 1 and 2 send ``numel`` floats each to rank 0 at once, over shared memory (with
+    --net): the seconds from a barrier until rank 0 has the first and the second."""
+    import time
+    group.connect([0] if group.rank else [1, 2], "shm")
+    group.barrier()
+    start = time.monotonic()
+    if group.rank:
+        group.send(torch.full((numel,), float(group.rank)), 0)
+        return {}
+    bufs = [torch.empty(numel), torch.empty(numel)]
+    works = [group.irecv(bufs[0], 1), group.irecv(bufs[1], 2)]
+    works[0].wait()
+    first = time.monotonic() - start
+    works[1].wait()
+    return {"first": first, "second": time.monotonic() - start, "sums": [float(b.sum()) for b in bufs]}

@@ -225,6 +225,33 @@ def test_net_emulation_over_shared_memory_lets_the_sender_go_on_and_delivers_on_
     assert first_in >= 0.14 and second_in >= 0.18 and into[0].item() == 2.0, (first_in, second_in)
 
 
+def test_emulated_interface_takes_in_one_message_at_a_time():
+    """The receiving side of the emulated interface: three 40 kB messages due at the same
+    moment at 1 MB/s (40 ms each on the wire) are in 40 ms apart; one read later whose bytes
+    came in before the others' fits in a free span before them, and one that fits in none
+    comes in after the last."""
+    from plexus.cluster.emulation import Interface
+    net, ms = parse_net("bandwidth=8mbit,latency=10ms"), 1_000_000
+    card = Interface()
+    due = time.monotonic_ns() + 500 * ms
+    assert [card.receive(net, 40_000, due) for _ in range(3)] == [due, due + 40 * ms, due + 80 * ms]
+    assert card.receive(net, 40_000, due - 100 * ms) == due - 100 * ms  # [-140, -100) ms was free
+    assert card.receive(net, 40_000, due - 50 * ms) == due - 50 * ms    # [-90, -50) ms was free too
+    assert card.receive(net, 40_000, due - 20 * ms) == due + 120 * ms   # overlaps the first: after the third
+
+
+@pytest.mark.slow
+def test_net_emulation_serialises_messages_that_reach_one_process_together():
+    """Incast: two workers send 40 kB each to a third at once, at 1 MB/s and 10 ms latency.
+    Each leaves through its own sender's interface at once; the receiver's interface takes
+    them in one after another, so the second is in 40 ms after the first (90 ms, not 50)."""
+    results = spawn("dist_fns:incast", 3, {"numel": 10_000}, net="bandwidth=8mbit,latency=10ms")
+    got = results[0]
+    assert got["sums"] == [10_000.0, 20_000.0]
+    # Measured from a barrier each process leaves at its own moment: a few ms of slack.
+    assert got["first"] >= 0.035 and got["second"] - got["first"] >= 0.025, got
+
+
 # --- emulation and its flags ----------------------------------------------------------
 
 def test_flag_parsing():

@@ -81,18 +81,31 @@ class Emulator:
 
 
 class Interface:
-    """This process's one outgoing network interface under ``--net``, for the messages it
-    sends over shared memory. A message leaves once the interface has sent the ones before
-    it, takes bytes / bandwidth on the wire, and arrives latency after that. The sender
-    waits only while the interface still carries an earlier message (a send buffer of one
-    message), not for its own to arrive, so a pipeline stage computes while its
-    activations travel; the receiver sees the message when it arrives (``shm_channel``).
-    Sends of all threads and links share the interface, as they share a machine's network
-    card: a server's replies to many workers leave one after another."""
+    """This process's one network interface under ``--net``, for the messages it sends and
+    receives over shared memory.
+
+    Sending: a message leaves once the interface has sent the ones before it, takes bytes /
+    bandwidth on the wire, and arrives latency after that. The sender waits only while the
+    interface still carries an earlier message (a send buffer of one message), not for its
+    own to arrive, so a pipeline stage computes while its activations travel. Sends of all
+    threads and links share the interface, as they share a machine's network card: a
+    server's replies to many workers leave one after another.
+
+    Receiving: the bytes of a message reach this interface from latency after it left on,
+    at the link's bandwidth, and the interface takes in one message at a time, as a
+    card's receiving side does (full duplex: sending and receiving do not wait for each
+    other). So the gradients of P - 1 workers that reach a master or a server together
+    arrive one after another (incast), and the receiver gets each when its last byte is in
+    (``shm_channel``)."""
+
+    # How long the receiving side remembers when it was busy (ns): a message read later
+    # than this after its first byte came in is not fitted between older ones.
+    _MEMORY = 1_000_000_000
 
     def __init__(self) -> None:
         self._free = 0  # time.monotonic_ns() at which the last message is off the wire
         self._lock = threading.Lock()
+        self._busy: list[tuple[int, int]] = []  # the receiving side's [start, end) ns, in order
 
     def send(self, net: NetSpec, nbytes: int) -> int:
         """Wait for the interface to take a message of ``nbytes`` bytes; returns when it
@@ -105,6 +118,28 @@ class Interface:
         if start > now:
             time.sleep((start - now) / 1e9)
         return start + wire + round(net.latency * 1e9)
+
+    def receive(self, net: NetSpec, nbytes: int, due: int) -> int:
+        """When a message of ``nbytes`` bytes that the sender's interface said arrives at
+        ``due`` (``send``) is in, once this interface has taken in the ones it overlaps:
+        its bytes take the earliest free span of the receiving side from ``due`` - wire
+        (their first byte) on. Messages are fitted in the order they are read, which is
+        the order they were sent on each link."""
+        wire = round(net.wire(nbytes) * 1e9)
+        if wire == 0:
+            return due
+        start = due - wire
+        with self._lock:
+            horizon = time.monotonic_ns() - self._MEMORY
+            busy = [span for span in self._busy if span[1] > horizon]
+            at = 0
+            for i, (a, b) in enumerate(busy):
+                if start + wire <= a:
+                    break  # it fits before this span
+                start, at = max(start, b), i + 1
+            busy.insert(at, (start, start + wire))
+            self._busy = busy
+        return start + wire
 
 
 INTERFACE = Interface()

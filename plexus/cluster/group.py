@@ -8,8 +8,9 @@ every wait has a timeout, and errors name the peer: ``CommTimeout`` when it did 
 answer, ``PeerLost`` when its connection broke.
 
 ``--net`` emulation shows slow networks on one machine without root: over shared memory a
-message leaves through the process's emulated card (``emulation.Interface``) and arrives
-latency + bytes / bandwidth later; over gloo's sockets the sending thread waits that long.
+message leaves through the process's emulated card (``emulation.Interface``), arrives
+latency + bytes / bandwidth later and comes in through the receiver's card, one message at
+a time; over gloo's sockets the sending thread waits that long.
 """
 from __future__ import annotations
 
@@ -464,7 +465,8 @@ class Link(Endpoint):
         unlink_quietly(f"{base}-fifo")
         if inbox is not None and wfd >= 0 and agreed:
             outbox.peer_pid = pid
-            self.shm = Channel(self.me, self.peer, outbox, inbox, rfd, wfd, self._inline_send, self._inline_recv)
+            self.shm = Channel(self.me, self.peer, outbox, inbox, rfd, wfd, self._inline_send, self._inline_recv,
+                               self.net)
             return
         for fd in (rfd, wfd):
             if fd >= 0:

@@ -18,7 +18,9 @@ from typing import Callable
 
 import torch
 
+from plexus.cluster.emulation import INTERFACE
 from plexus.cluster.shm import INLINE, TOKEN_BYTES, Inbox, Outbox, Token
+from plexus.config import NetSpec
 from plexus.errors import CommError, CommTimeout, PeerLost, ProtocolError
 
 __all__ = ["Channel", "Pending"]
@@ -67,8 +69,8 @@ class Channel:
 
     def __init__(self, me: str, peer: str, outbox: Outbox, inbox: Inbox, rfd: int, wfd: int,
                  inline_send: Callable[[torch.Tensor, int], object],
-                 inline_recv: Callable[[torch.Tensor, int], None]) -> None:
-        self.me, self.peer = me, peer
+                 inline_recv: Callable[[torch.Tensor, int], None], net: NetSpec | None = None) -> None:
+        self.me, self.peer, self.net = me, peer, net
         self.outbox, self.inbox, self.rfd, self.wfd = outbox, inbox, rfd, wfd
         self._inline_send, self._inline_recv = inline_send, inline_recv
         self._cond = threading.Condition()
@@ -231,7 +233,9 @@ class Channel:
                     ring = self.inbox.regions[token.generation].data
                     receive.data = ring[token.offset:token.offset + token.nbytes].view(receive.into.dtype)
                     receive.seq = token.seq  # freed by release
-            receive.due = token.due
+            # Under --net: when it is in, once this process's interface has taken it in.
+            receive.due = (INTERFACE.receive(self.net, token.nbytes, token.due)
+                           if token.due and self.net is not None else token.due)
             if receive.seq is None:
                 self.inbox.take(token, receive.into)
         except CommError as exc:
