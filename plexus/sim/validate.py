@@ -17,6 +17,11 @@ measured compute seconds per step at each P, as seconds per sample (P processes 
 machine's cores, so a sample costs more at P = 8 than at P = 2; that is this machine's
 property, used for every configuration at that P). With ``--net none``, alpha and beta
 are also fitted to its communication time per step (least squares over the three P).
+Last, the part of its real time per step that the model does not explain (real minus
+simulated, at each P, if positive) becomes a per-step overhead of every worker's step in
+every configuration at that P: the work of a step outside forward and backward (Python,
+the optimizer, message handling, waiting to be scheduled among P processes on this
+machine's cores), which is this machine's too.
 
 The other five configurations are predictions. The table gives time per step and time to
 the target accuracy, real against simulated, with the relative error, and whether the
@@ -104,20 +109,28 @@ def validate(out: Path, workers: tuple[int, ...] = (2, 4, 8), steps: int = 150, 
         per_sample[p] = compute / (BATCH // p)
         comm[p] = max(0.0, s["wall_seconds"] / s["steps"] - compute)
     network = network_of(parse_net(net)) if net else _fit_network(comm, _gradient_bytes())
+
+    def simulated(name: str, p: int, overhead: float, folder: str) -> dict:
+        cfg = _cfg(name, p, steps, target, out / f"{folder}-{p}-{name.replace(' ', '_')}", net)
+        spec = SimSpec(workers=p, servers=cfg.cluster.servers, network=network,
+                       compute=ComputeModel(per_sample=per_sample[p], overhead=overhead, measured=True))
+        return simulate(cfg, spec, prepare_run_dir(cfg))
+
+    overhead = {}
+    for p in workers:
+        echo(f"fitting   P={p} {REFERENCE}")
+        overhead[p] = max(0.0, _per_step(real[p, REFERENCE]) - _per_step(simulated(REFERENCE, p, 0.0, "fit")))
     rows = []
     for p in workers:
         for name in CONFIGS:
-            cfg = _cfg(name, p, steps, target, out / f"sim-{p}-{name.replace(' ', '_')}", net)
-            run_dir = prepare_run_dir(cfg)
-            spec = SimSpec(workers=p, servers=cfg.cluster.servers,
-                           compute=ComputeModel(per_sample=per_sample[p], measured=True), network=network)
             echo(f"simulated P={p} {name}")
-            sim = simulate(cfg, spec, run_dir)
+            sim = simulated(name, p, overhead[p], "sim")
             r = real[p, name]
             rows.append(Row(p, name, _per_step(r), _per_step(sim), r["time_to_target_seconds"],
                             sim["time_to_target_seconds"]))
     return rows, {"alpha": network.alpha, "beta": network.beta,
-                  **{f"per_sample_P{p}": per_sample[p] for p in workers}}
+                  **{f"per_sample_P{p}": per_sample[p] for p in workers},
+                  **{f"overhead_P{p}": overhead[p] for p in workers}}
 
 
 def _gradient_bytes() -> int:
@@ -172,8 +185,10 @@ def table(rows: list[Row], calibration: dict[str, float]) -> str:
         same = real_order == sim_order
         lines.append(f"P={p}: ranking by time per step {'the same' if same else 'differs'}: real "
                      f"{' < '.join(real_order)}; simulated {' < '.join(sim_order)}.")
+    overheads = [f"{k[-2:]} {v * 1e3:.2f} ms" for k, v in calibration.items() if k.startswith("overhead")]
     lines.append(f"Calibration: alpha {calibration['alpha'] * 1e6:.1f} us, 1/beta "
                  f"{(1 / calibration['beta'] / 1e9 if calibration['beta'] else math.inf):.2f} GB/s, compute per "
                  "sample " + ", ".join(f"{k[-2:]} {v * 1e6:.1f} us" for k, v in calibration.items()
-                                       if k.startswith("per_sample")) + ".")
+                                       if k.startswith("per_sample")) +
+                 (f"; overhead per step {', '.join(overheads)}" if overheads else "") + ".")
     return "\n".join(lines)
