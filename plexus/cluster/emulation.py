@@ -9,6 +9,7 @@ this process's one emulated interface (``INTERFACE``).
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import signal
@@ -130,16 +131,19 @@ class Interface:
             return due
         start = due - wire
         with self._lock:
-            horizon = time.monotonic_ns() - self._MEMORY
-            busy = [span for span in self._busy if span[1] > horizon]
-            at = 0
-            for i, (a, b) in enumerate(busy):
-                if start + wire <= a:
-                    break  # it fits before this span
-                start, at = max(start, b), i + 1
+            busy = self._busy
+            del busy[:bisect.bisect_right(busy, time.monotonic_ns() - self._MEMORY, key=_end)]
+            # Spans are disjoint and in order, so their ends are too: skip those that end
+            # before this message's first byte, then take the first gap it fits in.
+            at = bisect.bisect_right(busy, start, key=_end)
+            while at < len(busy) and start + wire > busy[at][0]:
+                start, at = max(start, busy[at][1]), at + 1
             busy.insert(at, (start, start + wire))
-            self._busy = busy
         return start + wire
+
+
+def _end(span: tuple[int, int]) -> int:
+    return span[1]
 
 
 INTERFACE = Interface()
