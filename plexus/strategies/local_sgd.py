@@ -66,8 +66,7 @@ class LocalSgdStrategy(Strategy):
         self.averagings = 0
         self.round_loss = 0.0
         self.round_steps = 0
-        # The buffers every averaging reduces, and their checked reductions, by name.
-        self.buffers: dict[str, torch.Tensor] = {}
+        # The buffer every averaging reduces, by name, with its checked reduction.
         self.reductions: dict[str, tuple[torch.Tensor, Persistent]] = {}
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> StepStats:
@@ -97,11 +96,12 @@ class LocalSgdStrategy(Strategy):
         held[1]()
 
     def _buffer(self, name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
-        """A buffer kept across averagings (so that its reduction stays checked)."""
-        buf = self.buffers.get(name)
-        if buf is None or buf.numel() != numel:
-            buf = self.buffers[name] = torch.empty(numel, dtype=like.dtype, device=like.device)
-        return buf
+        """The buffer ``_mean`` reduced under ``name`` last time, if it still fits (so that
+        its reduction stays checked), else a new one."""
+        held = self.reductions.get(name)
+        if held is not None and held[0].numel() == numel:
+            return held[0]
+        return torch.empty(numel, dtype=like.dtype, device=like.device)
 
     def _average_gradients(self) -> None:
         """One synchronous step of post-local SGD's warm-up: mean of the gradients."""
