@@ -4,10 +4,14 @@ Every asynchronous configuration (ps under asp, ssp and softsync; tree-ps under 
 variant and consistency it accepts) trains with each candidate optimizer setting, four
 workers, the same steps and seed, on digits and on mnist1d; allreduce with the
 synchronous defaults is the reference measured in the same run. The table gives the
-final test accuracy and its ratio to the reference.
+final test accuracy and its ratio to the reference. easgd's targets sweep its elastic
+moving rate alpha; ``--repeats`` runs every seed again, since asynchronous runs of one
+seed differ from each other, and the table then shows the range as well as the mean.
 
-    python benchmarks/defaults_sweep.py                      # the whole sweep
+    python benchmarks/defaults_sweep.py                      # every ps and tree-ps target
     python benchmarks/defaults_sweep.py --datasets digits --seeds 0 1
+    python benchmarks/defaults_sweep.py --datasets mnist1d --steps 800 --seeds 0 1 --repeats 3 \
+        --targets "easgd alpha .1" "easgd alpha .05" --candidates "sgd lr .1 m .9 (sync)"
 """
 from __future__ import annotations
 
@@ -32,6 +36,8 @@ TARGETS: dict[str, dict] = {
     "tree-ps adv": {"strategy": "tree-ps", "variant": "adv"},
     "tree-ps adv-star": {"strategy": "tree-ps", "variant": "adv-star"},
     "tree-ps base": {"strategy": "tree-ps", "variant": "base"},
+    **{f"easgd alpha {alpha:g}".replace("0.", "."): {"strategy": "easgd", "elastic_alpha": alpha}
+       for alpha in (0.2, 0.1, 0.075, 0.05, 0.03)},
 }
 
 # Candidate optimizer settings: (label, flat keys).
@@ -41,6 +47,9 @@ CANDIDATES: dict[str, dict] = {
     "sgd lr .2 m 0": {"optimizer": "sgd", "lr": 0.2, "momentum": 0.0},
     "sgd lr .4 m 0 /stale": {"optimizer": "sgd", "lr": 0.4, "momentum": 0.0, "staleness_lr": True},
     "sgd lr .1 m .5": {"optimizer": "sgd", "lr": 0.1, "momentum": 0.5},
+    "sgd lr .05 m .9": {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9},
+    "sgd lr .15 m .9": {"optimizer": "sgd", "lr": 0.15, "momentum": 0.9},
+    "sgd lr .2 m .5": {"optimizer": "sgd", "lr": 0.2, "momentum": 0.5},
     "adagrad lr .05": {"optimizer": "adagrad", "lr": 0.05, "momentum": 0.0},
     "adagrad lr .1": {"optimizer": "adagrad", "lr": 0.1, "momentum": 0.0},
     "adagrad lr .02": {"optimizer": "adagrad", "lr": 0.02, "momentum": 0.0},
@@ -49,6 +58,7 @@ CANDIDATES: dict[str, dict] = {
     "adam lr .01": {"optimizer": "adam", "lr": 0.01},
 }
 
+EASGD = [t for t in TARGETS if t.startswith("easgd")]
 REFERENCE = {"strategy": "allreduce", "algorithm": "ring", "optimizer": "sgd", "lr": 0.1, "momentum": 0.9}
 
 
@@ -66,35 +76,45 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--targets", nargs="+", default=[t for t in TARGETS if t != "allreduce"],
+    parser.add_argument("--repeats", type=int, default=1, help="runs of every seed")
+    parser.add_argument("--targets", nargs="+", default=[t for t in TARGETS if t not in ("allreduce", *EASGD)],
                         choices=list(TARGETS))
     parser.add_argument("--candidates", nargs="+", default=list(CANDIDATES), choices=list(CANDIDATES))
     args = parser.parse_args(argv)
     root = tempfile.mkdtemp(prefix="plexus-sweep-")
     print(f"# defaults sweep, {time.strftime('%Y-%m-%d')}, workers {args.workers}, steps {args.steps}, "
-          f"seeds {args.seeds}\n")
-    print("| dataset | configuration | optimizer setting | accuracy (mean over seeds) | / allreduce |")
-    print("|---|---|---|---:|---:|")
+          f"seeds {args.seeds}, repeats {args.repeats}\n")
+    spread = args.repeats > 1 or len(args.seeds) > 1
+    print("| dataset | configuration | optimizer setting | accuracy (mean over seeds) | / allreduce |"
+          + (" lowest - highest run |" if spread else ""))
+    print("|---|---|---|---:|---:|" + ("---:|" if spread else ""))
+    runs = [s for _ in range(args.repeats) for s in args.seeds]
     n = 0
+
+    def row(dataset: str, target: str, label: str, accs: list[float], ref_acc: float) -> str:
+        acc = sum(accs) / len(accs)
+        cells = f"| {dataset} | {target} | {label} | {100 * acc:.1f} % | {acc / ref_acc:.2f} |"
+        return cells + (f" {100 * min(accs):.1f} - {100 * max(accs):.1f} % |" if spread else "")
+
     for dataset in args.datasets:
         common = {"dataset": dataset, "model": "mlp", "workers": args.workers, "steps": args.steps}
+        # allreduce is deterministic: one run per seed.
         ref = [train({**common, **REFERENCE, "seed": s}, f"{root}/{n}-{s}")[0] for s in args.seeds]
         n += 1
         ref_acc = sum(ref) / len(ref)
-        print(f"| {dataset} | allreduce ring | sgd lr .1 m .9 (sync) | {100 * ref_acc:.1f} % | 1.00 |", flush=True)
+        print(row(dataset, "allreduce ring", "sgd lr .1 m .9 (sync)", ref, ref_acc), flush=True)
         for target in args.targets:
             for label in args.candidates:
                 accs = []
-                for s in args.seeds:
+                for i, s in enumerate(runs):
                     flat = {**common, **TARGETS[target], **CANDIDATES[label], "seed": s}
                     try:
-                        accs.append(train(flat, f"{root}/{n}-{s}")[0])
+                        accs.append(train(flat, f"{root}/{n}-{i}")[0])
                     except Exception as exc:  # a failed run is a row, not the end of the sweep
                         print(f"<!-- {target} / {label}: {exc} -->", file=sys.stderr)
                         accs.append(0.0)
                 n += 1
-                acc = sum(accs) / len(accs)
-                print(f"| {dataset} | {target} | {label} | {100 * acc:.1f} % | {acc / ref_acc:.2f} |", flush=True)
+                print(row(dataset, target, label, accs, ref_acc), flush=True)
     return 0
 
 

@@ -6,8 +6,11 @@ matrix as a table).
 Steps: 300 on digits, which passes 90 % within a few hundred; 800 on mnist1d, where at 300
 steps every run is still on the steep part of its curve and asynchronous runs of the same
 command differ by +-5 points from one run to the next (measured). A row below 0.9x at
-seed 0 is measured again, with the reference, at seed 1, and must reach 0.9x on the mean
-of the two seeds: one run of an asynchronous strategy is a sample, not a verdict. A row
+seed 0 is measured again, with the reference, at seeds 1, 2 and 3, and must reach 0.9x on
+the mean of the four: one run of an asynchronous strategy is a sample, not a verdict, and
+two are not enough for a row whose mean is a few points above the bar (easgd on mnist1d:
+0.92-0.95x, one run of a seed 2-3 points either side of it; docs/results/defaults-sweep.md,
+"easgd"). A row
 flagged unhealthy at seed 0 is measured at seed 1 instead, which must be healthy and
 reach 0.9x of the reference at seed 1. ``make test`` runs the rows three at a time.
 """
@@ -21,6 +24,8 @@ from filelock import FileLock
 from plexus.bench.defaults import DEFAULT_STEPS, MATRIX, REFERENCE, train_one
 
 STEPS = DEFAULT_STEPS
+# The seeds a row below the bar at seed 0 is measured at again.
+AGAIN = (1, 2, 3)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +62,9 @@ LABELS = [label for label in MATRIX if MATRIX[label]["strategy"] != "allreduce"]
 # itself it reached 0.66 to 0.67 and beside four CPU-bound processes 0.69 to 0.70.
 # easgd (asynchronous exchanges with its centre, 5 processes) ended at 0.607 on mnist1d,
 # mean of both seeds, in CI's parallel stage (2026-11-26 13:07), against a bar of 0.610;
-# alone on the machine the same seeds reached 0.652 and 0.648.
+# alone on the machine the same seeds reached 0.652 and 0.648; in the serial stage too
+# (2026-11-26 22:00, 0.599 against 0.610): its mean is 0.92-0.95x, and the mean of two runs
+# falls below 0.9x about one time in eight, hence the four seeds above.
 # They run in the serial stage of ``make test``, where what they measure is their
 # defaults, not the machine's load.
 SERIAL = {"tree-ps --variant adv-star --consistency asp", "tree-ps --variant adv-star --consistency softsync",
@@ -78,13 +85,16 @@ def test_learns_with_its_defaults(label, dataset, reference, tmp_path):
         unhealthy, seed = summary["health_hint"], 1
         summary = train_one(dataset, label, str(tmp_path / "1"), steps=STEPS[dataset], seed=1)
         assert summary["health"] == "ok", f"seed 0: {unhealthy}; seed 1: {summary['health_hint']}"
-    accuracy, ref = summary["final_test_accuracy"], reference(dataset, seed)
-    if accuracy < 0.9 * ref and seed == 0:
-        again = train_one(dataset, label, str(tmp_path / "1"), steps=STEPS[dataset], seed=1)
-        accuracy = (accuracy + again["final_test_accuracy"]) / 2
-        ref = (ref + reference(dataset, 1)) / 2
+    seeds, accuracies = [seed], [summary["final_test_accuracy"]]
+    if accuracies[0] < 0.9 * reference(dataset, seed) and seed == 0:
+        seeds += AGAIN
+        accuracies += [train_one(dataset, label, str(tmp_path / f"again-{s}"), steps=STEPS[dataset],
+                                 seed=s)["final_test_accuracy"] for s in AGAIN]
+    accuracy = sum(accuracies) / len(accuracies)
+    ref = sum(reference(dataset, s) for s in seeds) / len(seeds)
     assert accuracy >= 0.9 * ref, (
-        f"{label} on {dataset}: {accuracy:.3f} against allreduce {ref:.3f} (mean of seeds 0 and 1); settings "
+        f"{label} on {dataset}: {accuracy:.3f} against allreduce {ref:.3f} (mean of seeds {seeds}: "
+        f"{', '.join(f'{a:.3f}' for a in accuracies)}); settings "
         f"{({k: v for k, v in summary['settings'].items() if v['source'] != 'default'})}")
 
 
