@@ -128,12 +128,25 @@ def test_token_is_checked_at_rendezvous():
         connect_store(_info("wrong-token", store.port), timeout=5)
 
 
-def test_under_torchrun_the_process_with_the_wrong_token_is_refused_even_when_it_comes_first():
+def test_under_torchrun_the_process_with_the_wrong_token_is_refused_even_when_it_comes_first(monkeypatch):
     """torchrun's agent store holds no token: global rank 0's token is the job's. A rank
     with another token that arrives first waits for rank 0's, and is the one refused."""
     agent = dist.TCPStore("127.0.0.1", 0, None, is_master=True, timeout=dt.timedelta(seconds=5),
                           wait_for_workers=False)
-    errors = []
+    errors, waiting, store_class = [], threading.Event(), dist.TCPStore
+
+    class Watched:
+        """Rank 1's client store, which says when rank 1 starts waiting for the token."""
+
+        def __init__(self, *args, **kwargs) -> None:
+            self.store = store_class(*args, **kwargs)
+
+        def wait(self, *args) -> None:
+            waiting.set()
+            self.store.wait(*args)
+
+        def __getattr__(self, name: str):
+            return getattr(self.store, name)
 
     def early() -> None:
         info = dataclasses.replace(_info("wrong-token", agent.port), rank=1)
@@ -142,9 +155,11 @@ def test_under_torchrun_the_process_with_the_wrong_token_is_refused_even_when_it
         except ConfigError as exc:
             errors.append(str(exc))
 
+    monkeypatch.setattr(dist, "TCPStore", Watched)
     thread = threading.Thread(target=early)
     thread.start()
-    time.sleep(0.3)  # rank 1 is waiting for the token
+    assert waiting.wait(timeout=10), "rank 1 never waited for the token"
+    monkeypatch.setattr(dist, "TCPStore", store_class)  # rank 0's store is a real one
     connect_store(dataclasses.replace(_info("right-token", agent.port), stamps_token=True), timeout=5)
     thread.join(timeout=10)
     assert len(errors) == 1 and "worker 1: refused" in errors[0] and "token does not match" in errors[0]
