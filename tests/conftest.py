@@ -25,6 +25,16 @@ def with_report(monkeypatch):
     monkeypatch.delenv("PLEXUS_NO_REPORT", raising=False)
 
 
+@pytest.fixture(scope="session")
+def shared_tmp(tmp_path_factory) -> Path:
+    """A folder of this session's that all its pytest-xdist workers see (the parent of their
+    own base folders), for a result trained once and read by several tests through a file
+    lock. Without xdist it is the session's own base folder: the parent of that one is every
+    session's, where a result would outlive the code that made it."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 def _children() -> set[int]:
     """PIDs of live processes whose parent is this test process."""
     me, found = os.getpid(), set()

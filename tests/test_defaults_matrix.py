@@ -29,11 +29,10 @@ AGAIN = (1, 2, 3)
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(shared_tmp):
     """Accuracy of allreduce per (dataset, seed), trained on first use: once for the whole
-    session, also under pytest-xdist, whose workers share the parent of their base temp
-    folders and take turns through a file lock."""
-    shared = tmp_path_factory.getbasetemp().parent
+    session, also under pytest-xdist, whose workers take turns through a file lock."""
+    shared = shared_tmp
 
     def accuracy(dataset: str, seed: int) -> float:
         done = shared / f"defaults-reference-{dataset}-{seed}.json"
