@@ -20,7 +20,7 @@ demo: $(STAMP)
 
 # Three stages, which always all run: the tests marked `parallel` (training jobs whose
 # processes mostly wait on each other, with no timing assertion: three at a time take about
-# 0.6 of the time); the unit tests (not `slow`: in-process, no timing assertion), two at a
+# 0.6 of the time); the unit tests (not `slow`: short, no timing assertion), two at a
 # time, one per core (1,036 tests in 155 s against 253 s one at a time here); then the `slow`
 # rest one at a time, since many of them time what they measure.
 PYTEST := MPLCONFIGDIR=$${MPLCONFIGDIR:-/tmp/plexus-mpl} $(PY) -m pytest -q -p no:cacheprovider --durations=25
