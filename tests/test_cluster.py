@@ -53,10 +53,15 @@ def test_launcher_returns_first_failure_and_stops_the_rest(capsys):
     assert processes_of(os.getpid()) == []
 
 
-def test_launcher_kills_a_child_that_ignores_sigterm():
-    code = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('up', flush=True)\n" \
+def test_launcher_kills_a_child_that_ignores_sigterm(tmp_path):
+    # Rank 1 says it ignores SIGTERM by creating `ready`; rank 0 fails only then (status 4
+    # if it never does), so the launcher's SIGTERM is the one rank 1 ignores.
+    ready = str(tmp_path / "ready")
+    code = f"import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nopen({ready!r}, 'w').close()\n" \
            "time.sleep(60)\n"
-    fail = "import sys, time\ntime.sleep(0.5)\nsys.exit(3)\n"
+    fail = f"import os, sys, time\nend = time.monotonic() + 4\n" \
+           f"while not os.path.exists({ready!r}) and time.monotonic() < end:\n    time.sleep(0.01)\n" \
+           f"sys.exit(3 if os.path.exists({ready!r}) else 4)\n"
     start = time.monotonic()
     status = launch([PY, "-c", f"import os\nexec({fail!r} if os.environ['PLEXUS_ROLE_RANK'] == '0' else {code!r})"],
                     [RoleSpec("worker", 0), RoleSpec("worker", 1)], grace=1.0, sink=open(os.devnull, "w"))
