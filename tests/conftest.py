@@ -2,13 +2,16 @@
 process behind, and one that the whole session leaves no shared-memory file behind."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
+from filelock import FileLock
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -26,13 +29,24 @@ def with_report(monkeypatch):
 
 
 @pytest.fixture(scope="session")
-def shared_tmp(tmp_path_factory) -> Path:
-    """A folder of this session's that all its pytest-xdist workers see (the parent of their
-    own base folders), for a result trained once and read by several tests through a file
-    lock. Without xdist it is the session's own base folder: the parent of that one is every
-    session's, where a result would outlive the code that made it."""
+def once(tmp_path_factory) -> Callable[[str, Callable[[Path], Any], float], Any]:
+    """``once(name, compute, timeout)``: the JSON value ``compute(folder)`` returns, computed
+    by the first test of the session that asks for ``name`` and read back by the others;
+    under pytest-xdist the workers take turns through a file lock (waiting at most
+    ``timeout`` seconds). It is kept in a folder of this session's that all its workers see
+    (the parent of their own base folders), or without xdist in the session's own base
+    folder: the parent of that one is every session's, where a result would outlive the
+    code that made it."""
     base = tmp_path_factory.getbasetemp()
-    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+    def get(name: str, compute: Callable[[Path], Any], timeout: float) -> Any:
+        done = shared / f"{name}.json"
+        with FileLock(str(done) + ".lock", timeout=timeout):
+            if not done.exists():
+                done.write_text(json.dumps(compute(shared / name)))
+        return json.loads(done.read_text())
+    return get
 
 
 def _children() -> set[int]:

@@ -16,10 +16,7 @@ reach 0.9x of the reference at seed 1. ``make test`` runs the rows three at a ti
 """
 from __future__ import annotations
 
-import json
-
 import pytest
-from filelock import FileLock
 
 from plexus.bench.defaults import DEFAULT_STEPS, MATRIX, REFERENCE, train_one
 
@@ -29,19 +26,13 @@ AGAIN = (1, 2, 3)
 
 
 @pytest.fixture(scope="module")
-def reference(shared_tmp):
+def reference(once):
     """Accuracy of allreduce per (dataset, seed), trained on first use: once for the whole
-    session, also under pytest-xdist, whose workers take turns through a file lock."""
-    shared = shared_tmp
-
+    session, also under pytest-xdist."""
     def accuracy(dataset: str, seed: int) -> float:
-        done = shared / f"defaults-reference-{dataset}-{seed}.json"
-        with FileLock(str(done) + ".lock", timeout=600):
-            if not done.exists():
-                summary = train_one(dataset, REFERENCE, str(shared / f"defaults-reference-{dataset}-{seed}"),
-                                    steps=STEPS[dataset], seed=seed)
-                done.write_text(json.dumps(summary["final_test_accuracy"]))
-        return json.loads(done.read_text())
+        return once(f"defaults-reference-{dataset}-{seed}",
+                    lambda out: train_one(dataset, REFERENCE, str(out), steps=STEPS[dataset],
+                                          seed=seed)["final_test_accuracy"], timeout=600)
     return accuracy
 
 

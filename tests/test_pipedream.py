@@ -12,13 +12,11 @@ stashed weights also give the unit-level check: a backward differentiates the we
 forward ran on, not the ones stepped since, and the two gradients differ."""
 from __future__ import annotations
 
-import json
 import subprocess
 
 import pytest
 import torch
 import torch.nn.functional as F
-from filelock import FileLock
 
 from plexus.config import JobConfig
 from plexus.parallel.executor import make_plan
@@ -163,17 +161,15 @@ MNIST1D_PIPELINE = dict(dataset="mnist1d", model="mlp", stages=3, steps=2400, qu
 
 
 @pytest.fixture(scope="module")
-def mnist1d_1f1b(shared_tmp):
-    """The summary of the synchronous pipeline both schedules below are compared with,
-    trained once per session (under pytest-xdist the other worker waits at the file lock)."""
+def mnist1d_1f1b(once):
+    """The steps and accuracy of the synchronous pipeline both schedules below are compared
+    with, trained once per session (under pytest-xdist the other worker waits for it)."""
     from plexus.train.job import run
-    done = shared_tmp / "pipedream-mnist1d-1f1b.json"
-    with FileLock(str(done) + ".lock", timeout=900):
-        if not done.exists():
-            summary = run({**MNIST1D_PIPELINE, "microbatches": 4, "schedule": "1f1b",
-                           "out": str(shared_tmp / "pipedream-mnist1d-1f1b")})
-            done.write_text(json.dumps({key: summary[key] for key in ("steps", "final_test_accuracy")}))
-    return json.loads(done.read_text())
+
+    def train(out):
+        summary = run({**MNIST1D_PIPELINE, "microbatches": 4, "schedule": "1f1b", "out": str(out)})
+        return {key: summary[key] for key in ("steps", "final_test_accuracy")}
+    return once("pipedream-mnist1d-1f1b", train, timeout=900)
 
 
 @pytest.mark.slow
