@@ -35,6 +35,8 @@ TARGETS: dict[str, dict] = {
     "ps softsync 2": {"strategy": "ps", "consistency": "softsync", "softsync": 2},
     "tree-ps adv": {"strategy": "tree-ps", "variant": "adv"},
     "tree-ps adv-star": {"strategy": "tree-ps", "variant": "adv-star"},
+    "tree-ps adv-star bsp": {"strategy": "tree-ps", "variant": "adv-star", "consistency": "bsp"},
+    "tree-ps adv-star softsync": {"strategy": "tree-ps", "variant": "adv-star", "consistency": "softsync"},
     "tree-ps base": {"strategy": "tree-ps", "variant": "base"},
     **{f"easgd alpha {alpha:g}".replace("0.", "."): {"strategy": "easgd", "elastic_alpha": alpha}
        for alpha in (0.2, 0.1, 0.075, 0.05, 0.03)},

@@ -43,7 +43,8 @@ COMPARE = {
     "Sandblaster L-BFGS (2 replicas)": {"strategy": "sandblaster", "workers": 2, "steps": 200},
     "Downpour SGD (ps asp, 2 workers)": {"strategy": "ps", "consistency": "asp", "workers": 2, "optimizer": "sgd",
                                          "steps": 600},
-    "Downpour Adagrad (ps asp, 2 workers)": {"strategy": "ps", "consistency": "asp", "workers": 2, "steps": 600},
+    "Downpour Adagrad (ps asp, 2 workers)": {"strategy": "ps", "consistency": "asp", "workers": 2,
+                                             "optimizer": "adagrad", "steps": 600},
     "single-process SGD": {"strategy": "allreduce", "workers": 1, "steps": 1200},
 }
 

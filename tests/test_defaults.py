@@ -25,12 +25,25 @@ def build(flat: dict, source: str = "flag") -> JobConfig:
     {"strategy": "tree-ps", "variant": "adv-star", "consistency": "softsync", "softsync": 2, "workers": 4},
     {"strategy": "tree-ps", "variant": "adv-star", "consistency": "bsp", "workers": 4},
 ])
-def test_asynchronous_parameter_servers_default_to_adagrad_without_momentum(flat):
+def test_asynchronous_parameter_servers_default_to_adam_without_momentum(flat):
     cfg = build(flat)
     label = f"default for {flat['strategy']}/{cfg.strategy.consistency}"
-    assert (cfg.optim.optimizer, cfg.optim.lr, cfg.optim.momentum) == ("adagrad", 0.05, 0.0)
+    assert (cfg.optim.optimizer, cfg.optim.lr, cfg.optim.momentum) == ("adam", 0.003, 0.0)
     assert cfg.source("optimizer") == label and cfg.source("momentum") == label
-    assert cfg.source("lr") == "default for adagrad" and cfg.source("workers") == "flag"
+    assert cfg.source("lr") == "default for adam" and cfg.source("workers") == "flag"
+
+
+@pytest.mark.parametrize("source", ["flag", "file", "spec", "api"])
+def test_a_rate_set_without_an_optimizer_under_asynchrony_keeps_adagrad(source):
+    """Rates for the asynchronous default were chosen at Adagrad's scale (0.05), which
+    would make Adam overshoot; an optimizer set beside the rate is the user's."""
+    cfg = build({"strategy": "ps", "workers": 4, "lr": 0.05}, source)
+    assert (cfg.optim.optimizer, cfg.optim.lr, cfg.optim.momentum) == ("adagrad", 0.05, 0.0)
+    assert cfg.source("optimizer") == "default for ps/asp with lr set" and cfg.source("lr") == source
+    cfg = build({"strategy": "ps", "workers": 4, "lr": 0.001, "optimizer": "adam"}, source)
+    assert (cfg.optim.optimizer, cfg.optim.lr, cfg.optim.momentum) == ("adam", 0.001, 0.0)
+    # Synchronous configurations keep the global default optimizer whatever the rate.
+    assert build({"strategy": "ps", "consistency": "bsp", "workers": 4, "lr": 0.05}, source).optim.optimizer == "sgd"
 
 
 def test_plain_sgd_chosen_under_asynchrony_gets_no_momentum_and_a_larger_rate():
@@ -76,7 +89,7 @@ def test_a_value_the_user_set_is_never_overridden_and_a_risky_one_is_named(sourc
     assert f"momentum 0.9 ({source}) under ps/asp" in line and "Mitliagkas" in line
     cfg = build({"strategy": "ps", "workers": 4, "momentum": 0.9}, source)
     (line,) = risks(cfg.to_flat(), cfg.sources)
-    assert "has no effect with optimizer adagrad (default for ps/asp)" in line
+    assert "has no effect with optimizer adam (default for ps/asp)" in line
     assert risks(build({"strategy": "ps", "workers": 4}).to_flat(), build({"strategy": "ps", "workers": 4}).sources) \
         == []
 
@@ -98,7 +111,7 @@ def test_sources_survive_config_json():
     cfg = build({"strategy": "ps", "workers": 4})
     again = JobConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
     assert again == cfg and again.sources == cfg.sources
-    assert again.settings()["optimizer"] == {"value": "adagrad", "source": "default for ps/asp"}
+    assert again.settings()["optimizer"] == {"value": "adam", "source": "default for ps/asp"}
 
 
 def test_a_value_of_the_wrong_type_names_its_key_and_source():
@@ -114,7 +127,7 @@ def test_print_config_shows_effective_values_and_sources(capsys, tmp_path):
     assert main(["train", "--strategy", "ps", "--config", str(toml), "--print-config"]) == 0
     lines = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()
              if not line.startswith("[")}
-    assert lines["optimizer"] == ['"adagrad"', "default", "for", "ps/asp"]
+    assert lines["optimizer"] == ['"adagrad"', "default", "for", "ps/asp", "with", "lr", "set"]
     assert lines["lr"] == ["0.05", "file"] and lines["strategy"] == ['"ps"', "flag"]
     assert lines["weight_decay"] == ["0.0", "default"]
     assert not list(tmp_path.glob("runs"))  # nothing trained, nothing written

@@ -105,5 +105,5 @@ def test_a_straggler_under_asp_learns_with_its_defaults(tmp_path):
                           "out": str(tmp_path)})
     assert summary["final_test_accuracy"] >= 0.9 and summary["health"] == "ok"
     # The slow worker makes as many steps as the others (fixed partitions), so it ends last;
-    # its updates are stale, which asp with the default server Adagrad absorbs.
+    # its updates are stale, which asp with the default server Adam absorbs.
     assert summary["staleness_max"] >= 3

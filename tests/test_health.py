@@ -63,6 +63,12 @@ def test_hints_name_the_cause_from_the_effective_configuration():
     cfg = JobConfig.from_flat({"strategy": "ps", "workers": 4, "lr": 3.0, "optimizer": "sgd"}, {"lr": "flag"})
     text = hint("stalled", cfg.settings(), True, staleness_mean=3.2)
     assert "learning rate 3 (flag)" in text and "mean 3.2" in text and "--staleness-lr" in text
+    assert "--optimizer" not in text  # the user chose sgd
+    # The default Adam: a rate set alone would select Adagrad, so the hint names both flags.
+    cfg = JobConfig.from_flat({"strategy": "ps", "workers": 4})
+    assert "lower --lr with --optimizer adam or" in hint("stalled", cfg.settings(), True)
+    cfg = JobConfig.from_flat({"strategy": "ps", "workers": 4, "lr": 0.5}, {"lr": "flag"})
+    assert "lower --lr or" in hint("stalled", cfg.settings(), True)  # Adagrad: a rate alone keeps it
     cfg = JobConfig.from_flat({"strategy": "allreduce", "lr": 20.0})
     assert "lower --lr" in hint("diverging", cfg.settings(), False)
 
@@ -106,5 +112,5 @@ def test_a_healthy_run_says_ok(tmp_path):
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout.splitlines()[-1])
     assert summary["health"] == "ok" and summary["health_hint"] is None
-    assert summary["settings"]["optimizer"] == {"value": "adagrad", "source": "default for ps/asp"}
+    assert summary["settings"]["optimizer"] == {"value": "adam", "source": "default for ps/asp"}
     assert "warning" not in result.stderr

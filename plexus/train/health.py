@@ -24,6 +24,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
+from plexus.config.defaults import USER_SOURCES
+
 __all__ = ["Health", "HealthState", "DIVERGED", "CHANCE_MARGIN", "hint", "worst"]
 
 HealthState = Literal["ok", "stalled", "diverging"]
@@ -107,7 +109,11 @@ def hint(state: HealthState, settings: Mapping[str, Any], asynchronous: bool, st
                 f"as momentum (Mitliagkas et al. 2016); pass --momentum 0 (the default here)")
     if asynchronous and not value("staleness_lr"):
         stale = f" for the measured staleness (mean {staleness_mean:.1f})" if staleness_mean else ""
-        return (f"the learning rate {lr:g} ({source('lr')}) may be too large{stale}; lower --lr or pass "
+        # Under asynchrony a rate set without an optimizer selects Adagrad (config/defaults.py),
+        # so lowering the default Adam's rate takes both flags.
+        keep = (f" with --optimizer {value('optimizer')}" if value("optimizer") != "adagrad"
+                and source("optimizer") not in USER_SOURCES else "")
+        return (f"the learning rate {lr:g} ({source('lr')}) may be too large{stale}; lower --lr{keep} or pass "
                 f"--staleness-lr (Zhang et al. 2016)")
     if state == "diverging":
         return f"the learning rate {lr:g} ({source('lr')}) is probably too large; lower --lr"
