@@ -124,7 +124,7 @@ del a, b
 def entry():
     gc.collect()
     return 0
-forks = ForkServer(entry, warm=gc.collect)
+forks = ForkServer(entry)
 child = forks.start(dict(os.environ))
 assert child.wait(60) == 0
 forks.close()
@@ -136,9 +136,10 @@ print(os.getpid())
 
 def test_what_the_launcher_left_uncollected_is_never_finalised_in_the_fork_server(tmp_path):
     """A gloo process group left in a reference cycle by an earlier job once hung the next
-    job's fork server: it collected the group while warming, and the group's destructor
-    waited forever for threads that had not survived the fork. Inherited objects are now
-    frozen there: only the launcher finalises its garbage."""
+    job's fork server: it collected the group while warming (the warm-up imports run in the
+    launcher now), and the group's destructor waited forever for threads that had not
+    survived the fork. Inherited objects are frozen in the fork server and its children
+    (this child collects): only the launcher finalises its garbage."""
     import subprocess
     marks = tmp_path / "finalised"
     out = subprocess.run([PY, "-c", _INHERITED_GARBAGE, str(marks)], capture_output=True, text=True, timeout=120,
@@ -150,7 +151,8 @@ def test_what_the_launcher_left_uncollected_is_never_finalised_in_the_fork_serve
 
 def test_a_fork_server_that_does_not_exit_is_killed_by_close():
     from plexus.cluster.forkserver import ForkServer
-    forks = ForkServer(lambda: 0, warm=signal.pause)  # never returns, never reads its socket
+    forks = ForkServer(lambda: 0)
+    os.kill(forks.pid, signal.SIGSTOP)  # alive, but it never reads its socket again
     started = time.monotonic()
     forks.close(timeout=1.0)
     assert time.monotonic() - started < 10

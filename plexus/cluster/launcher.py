@@ -93,7 +93,8 @@ def launch(argv: Sequence[str], roles: Sequence[RoleSpec], *, env: dict[str, str
 
     With ``entry``, the function that ``argv`` would run, each child is forked from a fork
     server and calls ``entry()`` where ``can_fork(threads)`` allows; else ``argv`` starts a
-    fresh interpreter. ``warm()`` runs once in the fork server before the first fork.
+    fresh interpreter. ``warm()`` runs in this process before the fork server is forked
+    (once per process in effect: its imports stay).
 
     Each child gets ``env`` plus its role's ``env`` plus ``PLEXUS_ROLE``,
     ``PLEXUS_ROLE_RANK`` and ``PLEXUS_PARENT_PID``. A child whose failure ``may_fail``

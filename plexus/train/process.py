@@ -86,7 +86,8 @@ def report_cpu(store, role: str, rank: int) -> None:
 
 
 def warm() -> None:
-    """Imports that every child pays, done once in the fork server before it forks them.
+    """Imports that every child pays, done once in the launcher before it forks the fork
+    server, so that its children inherit them (and a later job of the same process too).
 
     ``torch._dynamo`` above all: torch.optim imports it on an optimizer's first
     ``add_param_group`` and ``step`` (``torch._disable_dynamo``), and it costs as much as
