@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
-from plexus.config.defaults import USER_SOURCES
+from plexus.config.defaults import USER_SOURCES, resolve
 
 __all__ = ["Health", "HealthState", "DIVERGED", "CHANCE_MARGIN", "hint", "worst"]
 
@@ -98,6 +98,14 @@ def worst(states: list[tuple[HealthState, int | None]]) -> tuple[HealthState, in
     return state, min(steps) if steps else None
 
 
+def _optimizer_with_rate(settings: Mapping[str, Any]) -> str:
+    """The optimizer the same run gets when the user adds ``--lr`` to what they set."""
+    from plexus.config import field_default
+    given = {key: s["value"] for key, s in settings.items() if s["source"] in USER_SOURCES}
+    decided, _ = resolve({**given, "lr": settings["lr"]["value"]})
+    return {**decided, **given}.get("optimizer", field_default("optimizer"))
+
+
 def hint(state: HealthState, settings: Mapping[str, Any], asynchronous: bool, staleness_mean: float | None = None
          ) -> str:
     """The likely cause of ``state`` under the effective configuration, and the flag to change."""
@@ -109,10 +117,10 @@ def hint(state: HealthState, settings: Mapping[str, Any], asynchronous: bool, st
                 f"as momentum (Mitliagkas et al. 2016); pass --momentum 0 (the default here)")
     if asynchronous and not value("staleness_lr"):
         stale = f" for the measured staleness (mean {staleness_mean:.1f})" if staleness_mean else ""
-        # Under asynchrony a rate set without an optimizer selects Adagrad (config/defaults.py),
-        # so lowering the default Adam's rate takes both flags.
-        keep = (f" with --optimizer {value('optimizer')}" if value("optimizer") != "adagrad"
-                and source("optimizer") not in USER_SOURCES else "")
+        # Where a rate set alone selects another optimizer (under asynchrony, Adagrad in place
+        # of the default Adam: config/defaults.py), lowering this one's rate takes both flags.
+        moves = _optimizer_with_rate(settings) != value("optimizer")
+        keep = f" with --optimizer {value('optimizer')}" if moves else ""
         return (f"the learning rate {lr:g} ({source('lr')}) may be too large{stale}; lower --lr{keep} or pass "
                 f"--staleness-lr (Zhang et al. 2016)")
     if state == "diverging":
