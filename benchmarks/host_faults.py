@@ -132,7 +132,7 @@ def main() -> None:
     if why:
         raise SystemExit(f"host_faults: {why}")
     rows = []
-    print(f"| strategy (hosts: processes) | fault | outcome | detect s | left | what host 1 says |")
+    print("| strategy (hosts: processes) | fault | outcome | detect s | left | what host 1 says |")
     print("|---|---|---|---:|---:|---|")
     for name in args.only or list(CONFIGS):
         for fault in FAULTS:

@@ -120,7 +120,7 @@ def main() -> int:
     parser.add_argument("--part", choices=["balance", "compare", "both"], default="both")
     parser.add_argument("--no-write", action="store_true", help="print the tables only")
     args = parser.parse_args()
-    lines = [f"# Sandblaster L-BFGS", "",
+    lines = ["# Sandblaster L-BFGS", "",
              f"Measured {time.strftime('%Y-%m-%d')} on this machine (2 cores), with "
              f"`python benchmarks/sandblaster.py --part {args.part}`.", ""]
     with tempfile.TemporaryDirectory() as tmp:

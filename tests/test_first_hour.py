@@ -350,6 +350,7 @@ def test_an_interrupted_run_keeps_what_it_measured(tmp_path, sig, start):
     assert summary["steps"] >= 20 and summary["lost_workers"] == []
     assert summary["final_test_accuracy"] is not None and summary["evaluations"] >= 1
     assert all(b for b in summary["bytes_sent_per_worker"])
+    assert not (out / ".data").exists()  # the launcher's copy of the dataset
     report = plexus_cli("report", str(out))
     assert report.returncode == 0 and (out / "index.html").exists(), report.stderr
 
@@ -364,3 +365,34 @@ def test_a_stopped_child_leaves_without_a_cpp_abort(tmp_path):
     assert "terminate called" not in result.stderr, result.stderr
     assert "exited with status 134" not in result.stderr
     assert json.loads((out / "summary.json").read_text())["status"] == "interrupted"
+
+
+@pytest.mark.slow
+def test_a_launcher_killed_with_sigkill_leaves_its_data_beside_the_run(tmp_path):
+    """The launcher writes the loaded dataset for its processes to read and removes it when
+    the job ends; a SIGKILL gives it no chance to. The copy is in the run directory, not the
+    system's temporary folder (where killed launchers left one folder each), and the next
+    run there removes it."""
+    from plexus.config import JobConfig
+    from plexus.train.job import DATA_CACHE, prepare_run_dir
+    from plexus.train.metrics import read_events
+    out, tmp = tmp_path / "run", tmp_path / "tmp"
+    tmp.mkdir()
+    argv = [PY, "-m", "plexus.cli", "train", "--workers", "2", "--steps", "1000000", "--eval-every", "0",
+            "--log-every", "5", "--out", str(out), "--quiet"]
+    job = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True, env={**os.environ, "TMPDIR": str(tmp)})
+    try:
+        deadline = time.monotonic() + 120
+        while not read_events(out, "train") and job.poll() is None:
+            assert time.monotonic() < deadline, "training never started"
+            time.sleep(0.2)
+        assert job.poll() is None, job.communicate()[1][-3000:]
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+        job.communicate(timeout=60)
+    assert not [p.name for p in tmp.iterdir() if p.name.startswith("plexus-data")]
+    assert (out / DATA_CACHE / "meta.json").exists()
+    prepare_run_dir(JobConfig.from_flat({"out": str(out), "overwrite": True}))
+    assert not (out / DATA_CACHE).exists()

@@ -137,7 +137,7 @@ def test_planned_drain_under_bsp_moves_the_shard_with_nothing_lost(tmp_path):
     """Server 0 drains at version 20: its shard moves to its replica, server 1 (copy, then
     switch), training goes on, and the model is the one of the same run with no drain."""
     summary = _run(tmp_path, "drain", consistency="bsp", drain="server:0@step=20", save_model=True)
-    calm = _run(tmp_path, "calm", consistency="bsp", save_model=True)
+    _run(tmp_path, "calm", consistency="bsp", save_model=True)
     (move,) = summary["migrations"]
     assert (move["shard"], move["from"], move["to"]) == (0, 0, 1) and move["version"] >= 20
     assert summary["lost_servers"] == [] and summary["recoveries"] == []

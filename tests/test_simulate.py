@@ -156,7 +156,6 @@ def test_allreduce_time_is_the_slowest_compute_plus_the_modelled_all_reduce(tmp_
     cfg = _cfg(algorithm="ring", steps=10, net="latency=1ms,bandwidth=100mbit", slow="worker:2=3")
     summary = _sim(tmp_path, "t", cfg, compute=ComputeModel(per_sample=1e-4, overhead=2e-3), timing_only=True)
     share = cfg.run.batch_size // 4
-    numel = summary["sim"]["compute"]  # noqa: F841 (the cluster is recorded in the summary)
     comm = summary["sim"]["algorithm_seconds_per_step"]
     assert comm == pytest.approx(cost("ring", 4, 26122 * 4, network=network_of(cfg.cluster.net)).time)
     assert summary["wall_seconds"] == pytest.approx(10 * (3 * (2e-3 + share * 1e-4) + comm))

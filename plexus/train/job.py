@@ -13,7 +13,6 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -92,6 +91,10 @@ def warn_risks(cfg: JobConfig) -> None:
 # What a run writes into its directory; --overwrite removes these (and the plots, *.png)
 # from an earlier run there, and keeps any other file.
 RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "model.pt", "index.html")
+# The dataset as the launcher loaded it, for its processes to read; removed when the job
+# ends. In the run directory, not the system's temporary folder, so a launcher killed
+# with SIGKILL leaves it beside the run it belongs to (the next run there removes it).
+DATA_CACHE = ".data"
 
 
 def prepare_run_dir(cfg: JobConfig) -> Path:
@@ -116,6 +119,7 @@ def prepare_run_dir(cfg: JobConfig) -> Path:
     for stale in (*RUN_FILES, *(p.name for p in out.glob("*.png"))):
         (out / stale).unlink(missing_ok=True)
     shutil.rmtree(out / CHECKPOINTS, ignore_errors=True)  # an earlier run's: --resume must not find them
+    shutil.rmtree(out / DATA_CACHE, ignore_errors=True)  # a killed launcher's
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     return out
 
@@ -160,7 +164,7 @@ def run_local(cfg: JobConfig, poll: Callable[[Path, StartupProbe], None] | None 
     store_set_json(_job_store(store, token), JOB_KEY, {"strategy": cfg.strategy.strategy,
                                                        "consistency": cfg.strategy.consistency,
                                                        "elastic": cfg.strategy.elastic})
-    cache = Path(tempfile.mkdtemp(prefix="plexus-data-"))
+    cache = run_dir / DATA_CACHE
     try:
         save_dataset(data, cache)
         env = {**os.environ, "MASTER_ADDR": cfg.cluster.host, "MASTER_PORT": str(store.port),
