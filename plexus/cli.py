@@ -47,7 +47,8 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     """The job flags shared by train and compare; each maps to one config field."""
     g = parser.add_argument_group("strategy")
     _flag(g, "strategy", help="allreduce, ps, tree-ps, gossip, local-sgd, easgd, sandblaster")
-    _flag(g, "algorithm", help="all-reduce algorithm: native, ring, ...")
+    _flag(g, "algorithm", help="all-reduce algorithm: native, ring, ... (default native; ring where every "
+                               "worker computes on this machine's CPUs)")
     _flag(g, "bucket-mb", type=float, help="gradient bucket size in MiB (default 25)")
     _flag(g, "local-size", type=int, help="ranks per group for the hier algorithm")
     _flag(g, "elastic", action="store_const", const=True,
@@ -355,7 +356,10 @@ def _print_config(cfg) -> None:
         for f in dataclasses.fields(getattr(cfg, comp)):
             item = settings[f.name]
             if applies(f.name, strategy):
-                print(f"  {f.name:<{width}}  {json.dumps(item['value']):<24}  {item['source']}")
+                source = item["source"]
+                if f.name == "algorithm" and item["value"] == "native" and source.startswith("default"):
+                    source += " (runs ring where every worker computes on this machine's CPUs)"
+                print(f"  {f.name:<{width}}  {json.dumps(item['value']):<24}  {source}")
             else:
                 users = f"applies to {', '.join(applies_to(f.name))}"
                 if not item["source"].startswith("default"):  # the user set it: training refuses it

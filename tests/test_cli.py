@@ -213,6 +213,21 @@ def test_torchrun_runs_the_same_job(tmp_path):
     assert theirs.returncode == 0, theirs.stderr
     a, b = torch.load(tmp_path / "ours" / "model.pt"), torch.load(tmp_path / "torchrun" / "model.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # Both ran the default --algorithm's choice for workers on one machine's CPUs.
+    for result in (ours, theirs):
+        summary = json.loads(result.stdout.strip().splitlines()[-1])
+        assert summary["algorithm"] == "ring"
+        assert summary["settings"]["algorithm"] == {"value": "ring", "source": "default on one machine"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", [{"algorithm": "native"}, {"transport": "socket"}])
+def test_the_default_algorithm_stays_native_where_set_or_over_sockets(tmp_path, setting):
+    """Ring is the default's choice only for messages over shared memory: one machine,
+    --transport not socket, and --algorithm not set."""
+    summary = plexus.run({"workers": 2, "steps": 5, "eval_every": 0, "quiet": True, "no_report": True,
+                          "out": str(tmp_path), **setting})
+    assert summary["algorithm"] == "native" and summary["settings"]["algorithm"]["value"] == "native"
 
 
 @pytest.mark.slow

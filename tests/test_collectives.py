@@ -210,6 +210,29 @@ def test_a_connected_pair_moves_and_counts_messages_over_shared_memory():
         b.close()
 
 
+@pytest.mark.parametrize("machines", [1, 2])
+def test_members_agree_whether_they_run_on_one_machine(monkeypatch, machines):
+    """``Group.on_one_machine``, which decides what the default --algorithm runs
+    (``strategies/base.py``): two machines are two host ids (here, one per thread)."""
+    import threading
+
+    from plexus.cluster import group as group_module
+    from plexus.cluster.traffic import Traffic
+    if machines == 2:
+        monkeypatch.setattr(group_module, "host_id", threading.get_ident)
+
+    def make(store, rank):
+        group = group_module.Group(store, "pair", rank, ["worker 0", "worker 1"], traffic=Traffic(), timeout=10)
+        return group, group.on_one_machine()
+
+    (a, at_a), (b, at_b) = group_module._both_ends(make, 10)
+    try:
+        assert at_a is at_b is (machines == 1)
+    finally:
+        a.close()
+        b.close()
+
+
 def test_socket_transport_connects_nothing():
     a, b = group_pair("socket")
     try:

@@ -51,8 +51,9 @@ def _close(a: dict, b: dict, tol: float) -> bool:
 
 
 # Synchronous jobs across 2 hosts against the same job on one host: bit for bit where the
-# sums run in a fixed order; gloo's own all-reduce (native) and hier's leaders (whose inner
-# reduction groups differ with the hosts) within float32 rounding. per_node: processes on
+# sums run in a fixed order; gloo's own all-reduce (native), hier's leaders (whose inner
+# reduction groups differ with the hosts) and local-sgd's default algorithm (native across
+# hosts, ring on one: strategies/base.py) within float32 rounding. per_node: processes on
 # host 1, host 2; 3 workers (not a power of two, so a batch of 48) where the algorithm cares.
 SYNCHRONOUS = {
     "ring": ([1, 2], ["--strategy", "allreduce", "--algorithm", "ring", "--batch-size", "48"], 0.0),
@@ -63,7 +64,7 @@ SYNCHRONOUS = {
     "native": ([1, 2], ["--strategy", "allreduce", "--algorithm", "native", "--batch-size", "48"], 1e-6),
     "hier-hosts-as-groups": ([2, 2], ["--strategy", "allreduce", "--algorithm", "hier"], 1e-6),
     "gossip": ([2, 2], ["--strategy", "gossip"], 0.0),
-    "local-sgd": ([1, 2], ["--strategy", "local-sgd", "--batch-size", "48"], 0.0),
+    "local-sgd": ([1, 2], ["--strategy", "local-sgd", "--batch-size", "48"], 1e-6),
 }
 
 
@@ -76,6 +77,9 @@ def test_a_synchronous_job_across_two_hosts_gives_the_model_of_one_host(tmp_path
     assert multi["status"] == "completed" and multi["workers"] == sum(per_node)
     one = _local(tmp_path, [*flags, "--workers", str(sum(per_node))])
     assert (_same if tol == 0 else lambda a, b: _close(a, b, tol))(multi["model"], one)
+    if case == "local-sgd":  # the default --algorithm: gloo's own across machines, ring on one
+        assert multi["algorithm"] == "native"
+        assert json.loads((tmp_path / "one" / "summary.json").read_text())["algorithm"] == "ring"
 
 
 # Pipelines across hosts (per_node, flags, replicas): the stages of a replica exchange

@@ -294,6 +294,26 @@ class Group(Endpoint):
         # Members whose point-to-point messages go over a shared-memory Link (``connect``).
         self.links: dict[int, Link] = {}
 
+    def on_one_machine(self) -> bool:
+        """Whether every member runs on this machine (``host_id``: its host name and boot
+        id). A collective call: every member makes it, and all get the same answer."""
+        theirs = self._hosts(set(range(self.size)) - {self.rank}, "asking where the group's members run")
+        mine = host_id()
+        return all(h == mine for h in theirs.values())
+
+    def _hosts(self, members: Iterable[int], doing: str) -> dict[int, int]:
+        """The machine (``host_id``) each of ``members`` runs on, as each says through the
+        store; says this member's first. Waits up to the store's timeout for each."""
+        hosts = dist.PrefixStore(f"group/{self.name}/hosts/", self.store)
+        hosts.set(str(self.rank), str(host_id()))
+        theirs = {}
+        for p in sorted(members):
+            try:
+                theirs[p] = int(hosts.get(str(p)).decode())
+            except RuntimeError as exc:  # the store's own timeout: that member never came
+                raise translate_error(exc, self.me, doing, self.names[p], self.timeout) from None
+        return theirs
+
     def connect(self, peers: Iterable[int], transport: str = "auto") -> list[int]:
         """Carry the point-to-point messages to and from ``peers`` (member indices) over
         shared memory from now on, where they run on this machine; returns the members that
@@ -319,16 +339,7 @@ class Group(Endpoint):
             # Members say which machine they run on, so that no link is set up (a gloo pair
             # each) only to find its peer elsewhere; ``shm`` tries them all, to name the one
             # that cannot.
-            hosts = dist.PrefixStore(f"group/{self.name}/hosts/", self.store)
-            mine = str(host_id())
-            hosts.set(str(self.rank), mine)
-            theirs = {}
-            for p in sorted(wanted):
-                try:
-                    theirs[p] = hosts.get(str(p)).decode()
-                except RuntimeError as exc:  # the store's own timeout: that member never came
-                    raise translate_error(exc, self.me, "connecting the group's links", self.names[p],
-                                          self.timeout) from None
+            theirs, mine = self._hosts(wanted, "connecting the group's links"), host_id()
             wanted = {p for p in wanted if theirs[p] == mine}
         for p in sorted(wanted, key=lambda p: (min(p, self.rank), max(p, self.rank))):
             link = Link(self.store, self.me, self.names[p], traffic=self.traffic, timeout=self.timeout,

@@ -48,7 +48,8 @@ from plexus.collectives.base import Handle
 from plexus.config import JobConfig
 from plexus.collectives.bucketing import GradientBuckets
 from plexus.errors import CommError, ConfigError
-from plexus.strategies.base import Context, LossFn, Regrouped, Strategy, StepStats, make_optimizer
+from plexus.strategies.base import (Context, LossFn, Regrouped, Strategy, StepStats, algorithm_for,
+                                    algorithm_ran, make_optimizer)
 from plexus.strategies.elastic import ELASTIC_ALGORITHMS, JOB_KEY, RANKS_KEY, Membership, discard
 from plexus.train.feed import Feed, GlobalFeed
 
@@ -115,7 +116,12 @@ class AllReduceStrategy(Strategy):
             if rank >= ctx.info.world_size:  # a worker that joined: it enters at the next generation
                 self._regroup(-1)
                 return
-        self._attach(ctx.worker_group() if self.membership is None else self._generation_group())
+        if self.membership is None:
+            group = ctx.worker_group()
+            self.algorithm = algorithm_for(ctx, group)  # the default's choice needs the group
+            self._attach(group)
+        else:
+            self._attach(self._generation_group())
 
     def _generation_group(self) -> Group:
         gen = self.membership.current
@@ -265,9 +271,9 @@ class AllReduceStrategy(Strategy):
         return self.model if self.evaluates(rank) else None
 
     def final_record(self) -> dict[str, Any]:
-        """``--algorithm auto``: the choice per bucket size and its reason; ``--elastic``:
-        the generations this worker saw."""
-        record: dict[str, Any] = {}
+        """The algorithm that ran (``algorithm_for``); ``--algorithm auto``: the choice per
+        bucket size and its reason; ``--elastic``: the generations this worker saw."""
+        record: dict[str, Any] = {"algorithm": self.algorithm.name}
         decisions = getattr(self.algorithm, "decisions", None)
         if decisions is not None:
             record["auto_decisions"] = decisions()
@@ -281,6 +287,7 @@ class AllReduceStrategy(Strategy):
         fields: dict[str, Any] = {}
         workers = records["worker"]
         worker0 = workers.get(0, {})
+        fields.update(algorithm_ran(cfg, worker0))
         if "auto_decisions" in worker0:
             fields.update(auto_decisions=worker0["auto_decisions"],
                           auto_chose=sorted({d["chose"] for d in worker0["auto_decisions"]}))

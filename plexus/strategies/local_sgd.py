@@ -36,12 +36,11 @@ from typing import Any
 
 import torch
 
-from plexus.collectives import get_algorithm
 from plexus.collectives.base import Persistent
 from plexus.config import JobConfig
 from plexus.decentral.adacomm import AveragingSchedule
 from plexus.decentral.averaging import FlatParameters, optimizer_buffers
-from plexus.strategies.base import Context, LossFn, Strategy, StepStats, make_optimizer
+from plexus.strategies.base import Context, LossFn, Strategy, StepStats, algorithm_for, algorithm_ran, make_optimizer
 from plexus.strategies.replicas import ReplicaProbe, replica_summary
 
 __all__ = ["LocalSgdStrategy"]
@@ -56,7 +55,7 @@ class LocalSgdStrategy(Strategy):
         self.model, self.loss_fn, self.ctx = model, loss_fn, ctx
         self.params = FlatParameters(model)
         self.group = ctx.worker_group()
-        self.algorithm = get_algorithm(s.algorithm, s)
+        self.algorithm = algorithm_for(ctx, self.group)
         self.algorithm.connect(self.group, ctx.cfg.cluster.transport)
         self.optimizer = make_optimizer(model.parameters(), ctx.cfg.optim)
         self.schedule = AveragingSchedule(s.period, s.warmup_steps, s.adaptive)
@@ -157,7 +156,7 @@ class LocalSgdStrategy(Strategy):
 
     def final_record(self) -> dict[str, Any]:
         # JSON keys are strings: {"8": rounds at H = 8, ...}.
-        return {"averagings": self.averagings, "rounds_per_period": {str(h): n for h, n in
+        return {"algorithm": self.algorithm.name, "averagings": self.averagings, "rounds_per_period": {str(h): n for h, n in
                                                                      sorted(self.schedule.rounds.items())},
                 "period_final": self.schedule.period, **self.probe.last}
 
@@ -170,7 +169,8 @@ class LocalSgdStrategy(Strategy):
                 "averagings": first.get("averagings"), "rounds_per_period": first.get("rounds_per_period"),
                 "period_final": first.get("period_final"),
                 "consensus_distance": first.get("consensus_distance"),
-                "consensus_distance_relative": first.get("consensus_distance_relative")}
+                "consensus_distance_relative": first.get("consensus_distance_relative"),
+                **algorithm_ran(cfg, first)}
 
     def close(self) -> None:
         self.probe.close()

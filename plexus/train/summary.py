@@ -162,6 +162,8 @@ def assemble_summary(cfg: JobConfig, records: dict[str, Any], lost: dict[str, li
     summary.update(_health(cfg, workers, ev, summary))
     summary.update(staged)
     summary["settings"] = cfg.settings()
+    if summary["algorithm"] not in (None, cfg.strategy.algorithm):  # the default's choice (strategies/base.py)
+        summary["settings"]["algorithm"] = {"value": summary["algorithm"], "source": "default on one machine"}
     return summary
 
 
