@@ -156,8 +156,8 @@ class LocalSgdStrategy(Strategy):
 
     def final_record(self) -> dict[str, Any]:
         # JSON keys are strings: {"8": rounds at H = 8, ...}.
-        return {"algorithm": self.algorithm.name, "averagings": self.averagings, "rounds_per_period": {str(h): n for h, n in
-                                                                     sorted(self.schedule.rounds.items())},
+        return {"algorithm": self.algorithm.name, "averagings": self.averagings,
+                "rounds_per_period": {str(h): n for h, n in sorted(self.schedule.rounds.items())},
                 "period_final": self.schedule.period, **self.probe.last}
 
     @classmethod
