@@ -43,12 +43,15 @@ def _flag(group, name: str, **kw) -> None:
     group.add_argument(f"--{name}", dest=name.replace("-", "_"), **kw)
 
 
+# What the default --algorithm, native, runs on one machine (strategies/base.py, algorithm_for).
+_DEFAULT_ALGORITHM = "runs ring where every worker computes on this machine's CPUs"
+
+
 def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     """The job flags shared by train and compare; each maps to one config field."""
     g = parser.add_argument_group("strategy")
     _flag(g, "strategy", help="allreduce, ps, tree-ps, gossip, local-sgd, easgd, sandblaster")
-    _flag(g, "algorithm", help="all-reduce algorithm: native, ring, ... (default native; ring where every "
-                               "worker computes on this machine's CPUs)")
+    _flag(g, "algorithm", help=f"all-reduce algorithm: native, ring, ... (default native; {_DEFAULT_ALGORITHM})")
     _flag(g, "bucket-mb", type=float, help="gradient bucket size in MiB (default 25)")
     _flag(g, "local-size", type=int, help="ranks per group for the hier algorithm")
     _flag(g, "elastic", action="store_const", const=True,
@@ -358,7 +361,7 @@ def _print_config(cfg) -> None:
             if applies(f.name, strategy):
                 source = item["source"]
                 if f.name == "algorithm" and item["value"] == "native" and source.startswith("default"):
-                    source += " (runs ring where every worker computes on this machine's CPUs)"
+                    source += f" ({_DEFAULT_ALGORITHM})"
                 print(f"  {f.name:<{width}}  {json.dumps(item['value']):<24}  {source}")
             else:
                 users = f"applies to {', '.join(applies_to(f.name))}"

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from plexus.train.job import DATA_CACHE
 from test_cli import assert_usage_error, plexus_cli
 
 PY = sys.executable
@@ -350,7 +351,7 @@ def test_an_interrupted_run_keeps_what_it_measured(tmp_path, sig, start):
     assert summary["steps"] >= 20 and summary["lost_workers"] == []
     assert summary["final_test_accuracy"] is not None and summary["evaluations"] >= 1
     assert all(b for b in summary["bytes_sent_per_worker"])
-    assert not (out / ".data").exists()  # the launcher's copy of the dataset
+    assert not (out / DATA_CACHE).exists()  # the launcher's copy of the dataset
     report = plexus_cli("report", str(out))
     assert report.returncode == 0 and (out / "index.html").exists(), report.stderr
 
@@ -374,7 +375,7 @@ def test_a_launcher_killed_with_sigkill_leaves_its_data_beside_the_run(tmp_path)
     system's temporary folder (where killed launchers left one folder each), and the next
     run there removes it."""
     from plexus.config import JobConfig
-    from plexus.train.job import DATA_CACHE, prepare_run_dir
+    from plexus.train.job import prepare_run_dir
     from plexus.train.metrics import read_events
     out, tmp = tmp_path / "run", tmp_path / "tmp"
     tmp.mkdir()
@@ -387,11 +388,12 @@ def test_a_launcher_killed_with_sigkill_leaves_its_data_beside_the_run(tmp_path)
         while not read_events(out, "train") and job.poll() is None:
             assert time.monotonic() < deadline, "training never started"
             time.sleep(0.2)
-        assert job.poll() is None, job.communicate()[1][-3000:]
+        training = job.poll() is None
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
-        job.communicate(timeout=60)
+        _, err = job.communicate(timeout=60)
+    assert training, err[-3000:]
     assert not [p.name for p in tmp.iterdir() if p.name.startswith("plexus-data")]
     assert (out / DATA_CACHE / "meta.json").exists()
     prepare_run_dir(JobConfig.from_flat({"out": str(out), "overwrite": True}))

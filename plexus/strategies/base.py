@@ -44,7 +44,8 @@ from plexus.errors import ConfigError, PlexusError
 from plexus.train.feed import Feed, GlobalFeed, PartitionFeed
 
 __all__ = ["Strategy", "StepStats", "Snapshot", "Finish", "Regrouped", "ProcessContext", "Context", "RoleContext",
-           "LossFn", "make_optimizer", "algorithm_for", "algorithm_ran", "ONE_MACHINE_ALGORITHM"]
+           "LossFn", "make_optimizer", "algorithm_for", "algorithm_ran", "ONE_MACHINE_ALGORITHM",
+           "ONE_MACHINE_SOURCE"]
 
 # loss_fn(model, x, y) -> scalar loss (mean over the batch)
 LossFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -135,8 +136,10 @@ class RoleContext(ProcessContext):
     log: Any
 
 
-# What the default --algorithm (native) runs among workers on one machine's CPUs.
+# What the default --algorithm (native) runs among workers on one machine's CPUs, and the
+# source the summary's settings give it.
 ONE_MACHINE_ALGORITHM = "ring"
+ONE_MACHINE_SOURCE = "default on one machine"
 
 
 def algorithm_for(ctx: Context, group: Group) -> AllReduce:

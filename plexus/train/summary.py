@@ -22,6 +22,7 @@ from plexus.config.applies import applies
 from plexus.config.defaults import is_asynchronous
 from plexus.errors import CommTimeout
 from plexus.strategies import strategy_class
+from plexus.strategies.base import ONE_MACHINE_SOURCE
 from plexus.train.health import CHANCE_MARGIN, hint, worst
 from plexus.train.metrics import FIGURES
 from plexus.train.plan import other_roles
@@ -163,7 +164,7 @@ def assemble_summary(cfg: JobConfig, records: dict[str, Any], lost: dict[str, li
     summary.update(staged)
     summary["settings"] = cfg.settings()
     if summary["algorithm"] not in (None, cfg.strategy.algorithm):  # the default's choice (strategies/base.py)
-        summary["settings"]["algorithm"] = {"value": summary["algorithm"], "source": "default on one machine"}
+        summary["settings"]["algorithm"] = {"value": summary["algorithm"], "source": ONE_MACHINE_SOURCE}
     return summary
 
 
