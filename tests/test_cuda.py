@@ -47,13 +47,14 @@ def test_auto_backend_is_nccl_only_where_each_process_has_a_gpu(backend, cuda_, 
     ({"strategy": "allreduce", "algorithm": "native"}, 0.03),
     ({"strategy": "ps", "consistency": "bsp"}, 0.03),
     # Updates land in the order they come: on one H200 machine the same job ended at 0.28
-    # on the CPU and 0.52 on the GPU. It must learn on both.
-    ({"strategy": "ps", "consistency": "asp"}, None),
+    # on the CPU and 0.52 on the GPU. It must learn on both, without momentum, as asp's
+    # default is (with 0.9 the CPU run stalled at 0.19 there on 2026-11-27).
+    ({"strategy": "ps", "consistency": "asp", "momentum": 0.0}, None),
     ({"strategy": "gossip"}, 0.03),
     ({"strategy": "local-sgd"}, 0.03),
 ], ids=lambda v: "-".join(str(x) for x in v.values()) if isinstance(v, dict) else None)
 def test_strategies_train_on_a_gpu_as_on_the_cpu(flat, tolerance, tmp_path):
-    learns = dict(workers=2, steps=60, lr=0.1, momentum=0.9, hidden=64, **flat)
+    learns = {**dict(workers=2, steps=60, lr=0.1, momentum=0.9, hidden=64), **flat}
     cpu, _ = _train(tmp_path, "cpu", device="cpu", **learns)
     gpu, _ = _train(tmp_path, "gpu", device="cuda", **learns)
     assert gpu["device"].startswith("cuda") and cpu["device"] == "cpu"
