@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -191,6 +192,11 @@ def test_killed_worker_is_named_and_nothing_hangs(tmp_path):
                         "--out", str(tmp_path), "--quiet")
     assert result.returncode != 0
     assert "worker 1 exited with status 137" in result.stderr
+    # A survivor that lost a neighbour which exited on losing worker 1 names worker 1 too
+    # (with ring, the default here, worker 0 receives from worker 2).
+    for line in result.stderr.splitlines():
+        if re.search(r"lost worker [02]\b", line):
+            assert "worker 1 exited first" in line, result.stderr
 
 
 @pytest.mark.slow

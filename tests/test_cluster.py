@@ -16,10 +16,11 @@ import torch.distributed as dist
 
 from plexus.cluster.emulation import Emulator
 from plexus.cluster.launcher import RoleSpec, launch
+from plexus.cluster.liveness import exited_key, name_first_exit
 from plexus.cluster.rendezvous import ProcessInfo, connect_store, host_store, new_token
 from plexus.cluster.spawn import spawn
 from plexus.config import ClusterConfig, parse_kill, parse_net, parse_slow
-from plexus.errors import ConfigError
+from plexus.errors import ConfigError, PeerLost
 from procs import alive, role_processes
 
 PY = sys.executable
@@ -191,6 +192,24 @@ def test_timeout_names_the_silent_peer():
     results = spawn("dist_fns:recv_timeout", 2, {"timeout": 1.0})
     assert results[0].startswith("CommTimeout"), results[0]
     assert "worker 1 did not answer within 1 s" in results[0] and "[peer=worker 1]" in results[0]
+
+
+def test_a_lost_peer_names_the_process_that_exited_first():
+    """With worker 1 killed in a ring, worker 2 exits on losing it and worker 0 sees
+    worker 2's link close: worker 0's line names worker 1 too, by the launcher's records."""
+    everyone = ["worker 0", "worker 1", "worker 2"]
+    store = dist.HashStore()
+    lost = PeerLost("worker 0: ring all-reduce: lost worker 2 (its end of the link closed)", peer="worker 2")
+    assert name_first_exit(lost, store, "worker 0", everyone) is lost  # nothing recorded
+    store.set(exited_key("worker 1"), repr(100.0))
+    named = name_first_exit(lost, store, "worker 0", everyone)
+    assert isinstance(named, PeerLost) and named.peer == "worker 2"
+    assert str(named) == f"{lost}; worker 1 exited first"
+    store.set(exited_key("worker 2"), repr(100.2))  # recorded later than worker 1: the same
+    assert str(name_first_exit(lost, store, "worker 0", everyone)) == str(named)
+    # The lost peer itself exited first: the line stands as it was.
+    store.set(exited_key("worker 1"), repr(101.0))
+    assert name_first_exit(lost, store, "worker 0", everyone) is lost
 
 
 @pytest.mark.slow

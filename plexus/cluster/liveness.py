@@ -24,7 +24,7 @@ import time
 from plexus.cluster.rendezvous import route_address
 from plexus.errors import CommError
 
-__all__ = ["Pulse", "silent", "explain_loss", "exited_key", "PERIOD"]
+__all__ = ["Pulse", "silent", "explain_loss", "exited_key", "exit_time", "name_first_exit", "PERIOD"]
 
 
 PERIOD = 0.5  # seconds between beats
@@ -103,6 +103,32 @@ def exited_key(name: str) -> str:
     """Where the local launcher records when process ``name`` (``worker 2``) exited with
     an error: survivors learn of a death there at once, without watching pulses."""
     return f"exited/{name}"
+
+
+def exit_time(store, name: str) -> float:
+    """When process ``name`` exited with an error (``exited_key``); inf while it has not."""
+    key = exited_key(name)
+    return float(store.get(key).decode()) if store.check([key]) else float("inf")
+
+
+def name_first_exit(exc: CommError, store, me: str, everyone: list[str]) -> CommError:
+    """``exc`` (a lost peer) with the process that exited first named, where that is not
+    the peer ``exc`` names. A loss travels along links: with worker 1 killed in a ring,
+    worker 2 exits on losing it and worker 0 then sees worker 2's link close, so worker 0's
+    own line would blame worker 2. The records are the launcher's (``exited_key``) and a
+    ``--kill``'s own, read once: the launcher stops every process right after it records
+    a failure, so waiting for more would only lose this line. The same exception where
+    the first to exit is that peer, where nothing was recorded (no launcher: torchrun,
+    Ray) or where the store is gone."""
+    others = [n for n in everyone if n != me]
+    try:
+        times = {n: exit_time(store, n) for n in others}
+    except RuntimeError:  # c10d's DistStoreError: the launcher (and its store) is gone
+        return exc
+    first = min(others, key=times.__getitem__, default=None)
+    if first is None or times[first] == float("inf") or first == exc.peer:
+        return exc
+    return type(exc)(f"{exc}; {first} exited first", peer=exc.peer)
 
 
 def silent(store, names: list[str], watch: float = _WATCH) -> list[str]:

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from plexus.cluster.group import Group
-from plexus.cluster.liveness import exited_key
+from plexus.cluster.liveness import exit_time
 from plexus.cluster.rendezvous import store_get_json, store_set_json, wait_keys
 from plexus.collectives import get_algorithm
 from plexus.collectives.base import Handle
@@ -235,8 +235,7 @@ class AllReduceStrategy(Strategy):
         self.steps = self.membership.share_state(self.model, self.optimizer, max(steps_done, 0))
         event = {**self.membership.history[-1], "step": self.steps, "cause": cause}
         lost = event["lost"]
-        exited = [float(self.ctx.store.get(exited_key(f"worker {r}")).decode()) for r in lost
-                  if self.ctx.store.check([exited_key(f"worker {r}")])]
+        exited = [t for t in (exit_time(self.ctx.store, f"worker {r}") for r in lost) if t != float("inf")]
         if exited and self._failed_at is not None:
             # Recovery counts from the death the launcher saw, not from its detection here.
             event["detect_seconds"] = max(0.0, self._failed_at - min(exited))

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from plexus.cluster.launcher import RoleSpec, launch
-from plexus.cluster.liveness import Pulse, exited_key, explain_loss
+from plexus.cluster.liveness import Pulse, exit_time, exited_key, explain_loss
 from plexus.cluster.rendezvous import (ProcessInfo, connect_store, first_line, gloo_interface_towards,
                                        host_store, job_namespace, new_token, store_set_json, wait_keys)
 from plexus.collectives import get_algorithm
@@ -215,14 +215,14 @@ def run_local(cfg: JobConfig, poll: Callable[[Path, StartupProbe], None] | None 
         if failures:
             # The first to die, by the times in the store: a peer that failed on losing it
             # may be seen exiting first (a planned kill records its own time of death).
-            first, status = min(failures, key=lambda f: _exit_time(_job_store(store, token), f[0]))
+            first, status = min(failures, key=lambda f: exit_time(_job_store(store, token), f[0]))
             what = f"{first} exited with status {status}"
         failed = JobFailed(f"the job failed ({what}); see the messages above", exit_code=status)
     elif len(lost.get("worker", [])) == cfg.cluster.workers:
         # Name the other processes that died first (a shard's primary and its replicas, say).
         job_store = _job_store(store, token)
         others = sorted((f"{role} {r}" for role, ranks in lost.items() if role != "worker" for r in ranks),
-                        key=lambda name: _exit_time(job_store, name))
+                        key=lambda name: exit_time(job_store, name))
         after = f" after {', '.join(others)} died" if others else ""
         failed = JobFailed(f"every worker was lost ({cfg.cluster.workers} of {cfg.cluster.workers}){after}; "
                            f"nothing is left to finish the job", exit_code=1)
@@ -237,11 +237,6 @@ def run_local(cfg: JobConfig, poll: Callable[[Path, StartupProbe], None] | None 
     phases.done("summary")
     phases.log(summary.get("wall_seconds"))
     return run_dir, summary
-
-
-def _exit_time(store: dist.Store, name: str) -> float:
-    key = exited_key(name)
-    return float(store.get(key).decode()) if store.check([key]) else float("inf")
 
 
 class _Phases:

@@ -21,11 +21,12 @@ def main() -> int:
                         force=True)  # a forked child replaces the handlers it inherited
     from plexus.cluster.rendezvous import ProcessInfo, connect_store
     from plexus.config import JobConfig
-    from plexus.errors import PlexusError
+    from plexus.errors import CommError, PlexusError
     from plexus.train.runner import load_saved_dataset, role_main, worker_main
     from plexus.train.progress import JOINED_KEY
 
     info = ProcessInfo.from_env()
+    store = None
     try:
         cfg = JobConfig.from_dict(json.loads(Path(os.environ["PLEXUS_CONFIG"]).read_text()))
         store = connect_store(info, cfg.cluster.timeout)
@@ -43,6 +44,12 @@ def main() -> int:
             role_main(cfg, info, store, run_dir)
         report_cpu(store, info.role, info.rank)
     except PlexusError as exc:
+        if isinstance(exc, CommError) and exc.peer and store is not None:
+            # A loss travels along links: name the process that exited first, not only
+            # the neighbour that exited on losing it.
+            from plexus.cluster.liveness import name_first_exit
+            from plexus.train.plan import role_plan
+            exc = name_first_exit(exc, store, info.name, [slot.name for slot in role_plan(cfg)])
         if debug:
             logging.exception("%s failed", info.name)
         else:
