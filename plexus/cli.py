@@ -434,8 +434,8 @@ class _Progress:
 
 def _train(args: argparse.Namespace) -> int:
     from plexus.errors import ConfigError
+    cfg = job_config(args)  # before torch's import (seconds): bad input fails at once
     from plexus.train.job import run_local, run_torchrun
-    cfg = job_config(args)
     if getattr(args, "print_config", False):
         _print_config(cfg)
         return 0
