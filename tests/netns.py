@@ -98,7 +98,9 @@ def start_train(found: list[Host], per_node: list[int], flags: list[str], out, p
     """``plexus train FLAGS`` with node i's per_node[i] processes on host i: under a torchrun
     agent per host, or (``agent=False``) as bare processes with the environment torchrun
     gives them, so that a test sees each process's own exit status."""
-    env = {**os.environ, "PLEXUS_TOKEN": "many-hosts", "MPLCONFIGDIR": "/tmp/plexus-mpl"}
+    # TMPDIR: torchrun's agent leaves a torchelastic_* folder there (its logs), in the test's own.
+    env = {**os.environ, "PLEXUS_TOKEN": "many-hosts", "MPLCONFIGDIR": "/tmp/plexus-mpl",
+           "TMPDIR": os.path.dirname(str(out))}
     master = found[0].address
     train = ["-m", "plexus.cli", "train", *flags, "--host", master, "--quiet", "--json", "--out", str(out)]
     procs = []

@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+import warm_cli
 from plexus.config import JobConfig
 from plexus.errors import ConfigError
 from plexus.train.checkpoint import _seal, latest, parse_every, write_piece
@@ -21,8 +22,7 @@ JOB = ["--dataset", "digits", "--model", "mlp", "--workers", "2", "--timeout", "
 
 
 def _plexus(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([PY, "-m", "plexus.cli", *args], capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "PLEXUS_NO_REPORT": "1"})
+    return warm_cli.run(args, timeout=240, env={**os.environ, "PLEXUS_NO_REPORT": "1"})
 
 
 def _train(*args: str) -> dict:

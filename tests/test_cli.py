@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import warm_cli
 import plexus
 from plexus.train.metrics import SUMMARY_KEYS, read_events
 
@@ -20,8 +21,8 @@ PY = sys.executable
 
 
 def plexus_cli(*args: str, timeout: float = 180, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([PY, "-m", "plexus.cli", *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+    """``python -m plexus.cli ARGS``, forked from a helper that has imported torch (warm_cli.py)."""
+    return warm_cli.run(args, timeout=timeout, env={**os.environ, **(env or {})})
 
 
 def assert_usage_error(result: subprocess.CompletedProcess, *needles: str) -> None:
@@ -215,7 +216,8 @@ def test_torchrun_runs_the_same_job(tmp_path):
     assert ours.returncode == 0, ours.stderr
     theirs = subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                              "-m", "plexus.cli", "train", *common, "--out", str(tmp_path / "torchrun")],
-                            capture_output=True, text=True, timeout=180, env={**os.environ, "PLEXUS_TOKEN": "t"})
+                            capture_output=True, text=True, timeout=180,
+                            env={**os.environ, "PLEXUS_TOKEN": "t", "TMPDIR": str(tmp_path)})  # torchelastic_* there
     assert theirs.returncode == 0, theirs.stderr
     a, b = torch.load(tmp_path / "ours" / "model.pt"), torch.load(tmp_path / "torchrun" / "model.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)

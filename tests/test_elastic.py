@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+import warm_cli
 from plexus.strategies.elastic import Generation
 from plexus.train.batches import GlobalBatches
 from plexus.train.metrics import read_events
@@ -23,8 +24,7 @@ JOB = ["--strategy", "allreduce", "--dataset", "digits", "--model", "mlp", "--ba
 
 
 def _train(out, *args: str, env: dict | None = None) -> dict:
-    result = subprocess.run([PY, "-m", "plexus.cli", "train", *JOB, *args, "--out", str(out)], capture_output=True,
-                            text=True, timeout=240, env={**os.environ, **(env or {})})
+    result = warm_cli.run(["train", *JOB, *args, "--out", str(out)], timeout=240, env={**os.environ, **(env or {})})
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -122,8 +122,7 @@ def test_a_worker_joins_at_a_step_boundary_and_trains_with_the_group(tmp_path):
     (["--elastic", "--strategy", "ps"], ["--elastic does not apply to strategy ps"]),
 ])
 def test_elastic_bad_input_is_one_line_and_status_2(args, words):
-    result = subprocess.run([PY, "-m", "plexus.cli", "train", "--steps", "5", *args], capture_output=True, text=True,
-                            timeout=120)
+    result = warm_cli.run(["train", "--steps", "5", *args], timeout=120)
     err = result.stderr.strip()
     assert result.returncode == 2 and len(err.splitlines()) == 1, err
     for word in words:
@@ -133,9 +132,9 @@ def test_elastic_bad_input_is_one_line_and_status_2(args, words):
 @pytest.mark.parallel
 def test_a_timed_kill_ends_a_process_that_counts_no_steps_and_the_job_names_it(tmp_path):
     """``--kill ROLE:K@time=S``: easgd's centre server dies a second into training."""
-    result = subprocess.run([PY, "-m", "plexus.cli", "train", "--strategy", "easgd", "--workers", "2", "--steps",
-                             "100000", "--kill", "server:0@time=1", "--dataset", "digits", "--timeout", "30",
-                             "--out", str(tmp_path), "--quiet"], capture_output=True, text=True, timeout=120)
+    result = warm_cli.run(["train", "--strategy", "easgd", "--workers", "2", "--steps", "100000", "--kill",
+                           "server:0@time=1", "--dataset", "digits", "--timeout", "30", "--out", str(tmp_path),
+                           "--quiet"], timeout=120)
     assert result.returncode == 137, result.stderr[-2000:]
     assert "killed on purpose 1 s after training started" in result.stderr
     assert "the job failed (server 0 exited with status 137)" in result.stderr

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+import warm_cli
 import plexus
 from plexus.cluster.forkserver import can_fork
 from plexus.cluster.launcher import RoleSpec, launch
@@ -42,7 +43,7 @@ def test_children_are_forked_named_and_report_their_status(monkeypatch):
     for r in range(3):
         assert f"[worker {r}] forked {r} as 'worker {r}'" in out and "torch loaded True" in out
     assert f"parent {os.getpid()}" not in out  # grandchildren: the fork server is their parent
-    assert descendants(os.getpid()) == []
+    assert set(descendants(os.getpid())) <= warm_cli.helper_pids()  # the tests' idle helper may stay
 
 
 def test_a_failed_child_stops_the_rest_even_one_that_ignores_sigterm(monkeypatch):
@@ -56,7 +57,7 @@ def test_a_failed_child_stops_the_rest_even_one_that_ignores_sigterm(monkeypatch
                     env={**os.environ, "MODE": "hang"})
     assert status == 124
     assert time.monotonic() - started < 15
-    assert descendants(os.getpid()) == []
+    assert set(descendants(os.getpid())) <= warm_cli.helper_pids()  # the tests' idle helper may stay
 
 
 def test_spawn_is_used_where_forking_is_unsafe_or_asked_against(monkeypatch):

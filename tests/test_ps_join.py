@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import warm_cli
 from plexus.train.metrics import read_events
 
 PY = sys.executable
@@ -102,7 +103,6 @@ def test_worker_joins_a_running_job_and_a_malformed_client_is_cut_off(tmp_path):
     (["--join", "127.0.0.1:1"], {"PLEXUS_TOKEN": ""}, "PLEXUS_TOKEN"),
 ])
 def test_join_usage_errors_are_one_line_and_status_2(args, env, words):
-    result = subprocess.run([PY, "-m", "plexus.cli", "worker", *args], capture_output=True, text=True, timeout=60,
-                            env={**os.environ, **env})
+    result = warm_cli.run(["worker", *args], timeout=60, env={**os.environ, **env})
     assert result.returncode == 2
     assert words in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr

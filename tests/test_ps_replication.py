@@ -156,6 +156,7 @@ def test_a_server_joins_and_another_drains_into_it_mid_run(tmp_path):
     import subprocess
     import sys
 
+    import warm_cli
     from test_ps_join import _free_port, _stop, _wait_for
     from plexus.train.metrics import read_events
     port, token, out = _free_port(), "group-test-token", tmp_path / "run"
@@ -169,13 +170,12 @@ def test_a_server_joins_and_another_drains_into_it_mid_run(tmp_path):
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     try:
         _wait_for(lambda: bool(read_events(out, "train")), 90, "training started", job)
-        wrong = subprocess.run([*plexus_cli, "server", "--join", f"127.0.0.1:{port}", "--timeout", "10"],
-                               capture_output=True, text=True, env={**env, "PLEXUS_TOKEN": "wrong"}, timeout=60)
+        wrong = warm_cli.run(["server", "--join", f"127.0.0.1:{port}", "--timeout", "10"],
+                             env={**env, "PLEXUS_TOKEN": "wrong"}, timeout=60)
         spare = subprocess.Popen([*plexus_cli, "server", "--join", f"127.0.0.1:{port}", "--timeout", "30"],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         _wait_for(lambda: "as server 2" in (spare.stderr.readline() or ""), 60, "the spare joined", job)
-        drain = subprocess.run([*plexus_cli, "drain", f"127.0.0.1:{port}", "--server", "1", "--timeout", "60"],
-                               capture_output=True, text=True, env=env, timeout=90)
+        drain = warm_cli.run(["drain", f"127.0.0.1:{port}", "--server", "1", "--timeout", "60"], env=env, timeout=90)
         steps = max(e["step"] for e in read_events(out, "train"))
         _wait_for(lambda: max(e["step"] for e in read_events(out, "train")) >= steps + 40, 90,
                   "training after the drain", job)

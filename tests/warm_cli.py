@@ -1,0 +1,212 @@
+"""``run(args)``: ``python -m plexus.cli ARGS`` for the tests, as ``subprocess.run`` would
+run it (its own process, exit status, stdout and stderr apart), but forked from a helper
+interpreter that has already imported torch, ``torch._dynamo`` and plexus.
+
+Those imports are most of a short command's cost: 5.5 to 6 s of CPU here (``import
+torch`` 3.0 s, ``torch._dynamo`` 2.6 s, measured 2026-11-27 on this 2-core machine) against
+about 0.7 s for the rest of a 40-step job, and the suite runs over a hundred commands. The
+helper never runs a torch operation, so no OpenMP pool exists to be lost in the fork, and
+it never configures logging: a forked command starts as a fresh interpreter would, with
+these modules already loaded. It differs from a fresh interpreter in what was read at
+those imports: the helper imports torch with ``TORCH_CPP_LOG_LEVEL=ERROR``, as ``plexus``
+does without ``--debug``, so a command with ``--debug`` (which keeps c10d's C++ warnings)
+runs as a real subprocess instead, as does one under ``PLEXUS_WARM_CLI=0``.
+
+One helper per test process, started on first use; it dies with that process
+(``PR_SET_PDEATHSIG``), and each command dies with the helper. ``helper_pids()`` lets the
+conftest's orphan check tell the helper from a process a test left behind.
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import importlib
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+__all__ = ["run", "helper_pids"]
+
+_MAX_MESSAGE = 1 << 20
+_PR_SET_PDEATHSIG = 1
+_helper: tuple[subprocess.Popen, socket.socket] | None = None
+
+
+def helper_pids() -> set[int]:
+    return set() if _helper is None or _helper[0].poll() is not None else {_helper[0].pid}
+
+
+def _start() -> tuple[subprocess.Popen, socket.socket]:
+    global _helper
+    if _helper is not None and _helper[0].poll() is None:
+        return _helper
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    env = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"}
+    proc = subprocess.Popen([sys.executable, __file__, str(theirs.fileno())], pass_fds=[theirs.fileno()], env=env,
+                            stdin=subprocess.DEVNULL)
+    theirs.close()
+    _helper = (proc, ours)
+    atexit.register(_stop)
+    return _helper
+
+
+def _stop() -> None:
+    global _helper
+    if _helper is not None:
+        proc, sock = _helper
+        sock.close()  # the helper leaves when its socket closes
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        _helper = None
+
+
+def _read(fds: dict[int, str], deadline: float) -> dict[int, bytes]:
+    """Everything written to the read ends ``fds`` until each is closed, or until
+    ``deadline``; raises TimeoutError then."""
+    out = {fd: b"" for fd in fds}
+    open_fds = set(fds)
+    while open_fds:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        ready, _, _ = select.select(list(open_fds), [], [], left)
+        for fd in ready:
+            chunk = os.read(fd, 1 << 16)
+            if chunk:
+                out[fd] += chunk
+            else:
+                open_fds.discard(fd)
+    return out
+
+
+def _reply(sock: socket.socket, deadline: float) -> dict:
+    left = deadline - time.monotonic()
+    if left <= 0 or not select.select([sock], [], [], left)[0]:
+        raise TimeoutError
+    data = sock.recv(_MAX_MESSAGE)
+    if not data:
+        raise OSError("the tests' plexus helper exited")
+    return json.loads(data)
+
+
+def run(args, timeout: float = 180, env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
+    """``subprocess.run([python, "-m", "plexus.cli", *args], capture_output=True,
+    text=True, timeout=timeout, env=env, cwd=cwd)``, forked from the warm helper."""
+    args = [str(a) for a in args]
+    env = dict(os.environ if env is None else env)
+    argv = [sys.executable, "-m", "plexus.cli", *args]
+    if "--debug" in args or env.get("PLEXUS_WARM_CLI") == "0":
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+    proc, sock = _start()
+    deadline = time.monotonic() + timeout
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    try:
+        request = {"args": args, "env": env, "cwd": str(cwd or os.getcwd())}
+        socket.send_fds(sock, [json.dumps(request).encode()], [out_w, err_w])
+    finally:
+        os.close(out_w)
+        os.close(err_w)
+    pid = None
+    try:
+        pid = _reply(sock, deadline)["started"]
+        got = _read({out_r: "stdout", err_r: "stderr"}, deadline)
+        status = _reply(sock, deadline)["status"]
+    except TimeoutError:
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            _reply(sock, time.monotonic() + 30)  # its status: the helper is free again
+        raise subprocess.TimeoutExpired(argv, timeout) from None
+    finally:
+        os.close(out_r)
+        os.close(err_r)
+    return subprocess.CompletedProcess(argv, status, got[out_r].decode(errors="replace"),
+                                       got[err_r].decode(errors="replace"))
+
+
+# --- the helper ---------------------------------------------------------------------------------
+
+def _die_with_parent() -> None:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def _serve(sock: socket.socket) -> None:
+    _die_with_parent()
+    parent = os.getppid()
+    for name in ("torch", "plexus.cli", "plexus.train.job"):  # the point of the helper
+        importlib.import_module(name)
+    from plexus.train.process import warm
+    warm()
+    if os.getppid() != parent:
+        os._exit(1)
+    base_path = [p for p in sys.path[1:] if p not in os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    while True:
+        data, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 2)
+        if not data:
+            return
+        request = json.loads(data)
+        pid = os.fork()
+        if pid == 0:
+            _command(request, fds, sock, base_path)
+        for fd in fds:
+            os.close(fd)
+        sock.send(json.dumps({"started": pid}).encode())
+        _, status = os.waitpid(pid, 0)
+        sock.send(json.dumps({"status": os.waitstatus_to_exitcode(status)}).encode())
+
+
+def _command(request: dict, fds: list[int], sock: socket.socket, base_path: list[str]) -> None:
+    """A forked command: the request's directory, environment and import path (as
+    ``python -m`` sets it: the directory first, then PYTHONPATH), stdout and stderr into
+    the test's pipes, then ``plexus.cli.main``; atexit hooks run as at an interpreter's
+    exit, then ``os._exit``."""
+    code = 1
+    try:
+        sock.close()
+        _die_with_parent()
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        sys.path[:] = [request["cwd"], *extra, *[p for p in base_path if p not in extra]]
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(fds[0], 1)
+        os.dup2(fds[1], 2)
+        for fd in (null, *fds):
+            os.close(fd)
+        sys.stdin = open(0, "r", closefd=False)
+        sys.stdout = open(1, "w", closefd=False)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        import plexus.cli
+        sys.argv = [plexus.cli.__file__, *request["args"]]
+        code = plexus.cli.main(request["args"])
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001 - as an interpreter would: the traceback, status 1
+        import traceback
+        traceback.print_exc()
+    finally:
+        try:
+            atexit._run_exitfuncs()
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+        finally:
+            os._exit(code if isinstance(code, int) else 1)
+
+
+if __name__ == "__main__":
+    _serve(socket.socket(fileno=int(sys.argv[1])))
