@@ -21,8 +21,9 @@ demo: $(STAMP)
 # Three stages, which always all run: the tests marked `parallel` (training jobs whose
 # processes mostly wait on each other, with no timing assertion: three at a time take about
 # 0.6 of the time); the unit tests (not `slow`: short, no timing assertion), two at a
-# time, one per core (1,036 tests in 155 s against 253 s one at a time here); then the `slow`
-# rest one at a time, since many of them time what they measure.
+# time, one per core (1,043 tests in 94-99 s, 2026-11-27); then the `slow`
+# rest one at a time, since many of them time what they measure. Most `plexus` commands the
+# tests run are forked from a helper that has imported torch (tests/warm_cli.py).
 PYTEST := MPLCONFIGDIR=$${MPLCONFIGDIR:-/tmp/plexus-mpl} $(PY) -m pytest -q -p no:cacheprovider --durations=25
 
 test: $(STAMP)

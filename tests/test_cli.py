@@ -74,7 +74,7 @@ def test_bad_input_is_one_line_and_status_2(args, needle, capsys):
 
 @pytest.mark.parametrize("args, needle", [BAD_INPUT[0], BAD_INPUT[4]])
 def test_bad_input_through_the_console_script(args, needle):
-    assert_usage_error(plexus_cli("train", *args), needle)
+    assert_usage_error(plexus_cli("train", *args, env={"PLEXUS_WARM_CLI": "0"}), needle)  # a fresh interpreter
 
 
 def test_port_in_use(busy_port):
