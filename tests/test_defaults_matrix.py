@@ -60,10 +60,11 @@ LABELS = [label for label in MATRIX if MATRIX[label]["strategy"] != "allreduce"]
 # (2026-11-27 04:35, seeds 0-3: 0.523, 0.625, 0.611, 0.641) under the asynchronous default
 # Adam, where alone two seeds twice each reached 0.635 (0.94x, as Adagrad's 0.636).
 # They run in the serial stage of ``make test``, where what they measure is their
-# defaults, not the machine's load. There too adv-star under softsync once ended at 0.613
-# against a bar of 0.615 (2026-11-27 12:45, seeds 0-3: 0.598, 0.613, 0.606, 0.637), where
-# defaults-sweep.md measured its mean at 0.93x (runs 59.7-67.3 %): a margin of about two
-# standard deviations of a four-seed mean, which a default with more margin would widen.
+# defaults, not the machine's load. There too adv-star under softsync ended at 0.613 and
+# 0.607 against a bar of 0.615 (2026-11-27 12:45 and 13:58, seeds 0-3: 0.598, 0.613, 0.606,
+# 0.637 and 0.567, 0.592, 0.633, 0.637): at the four seeds its default measures 0.90x
+# (defaults-sweep.md, "adv-star under softsync at four seeds"), at the bar, and no rate of
+# Adam gives it a margin. The row fails about half the time until its default improves.
 SERIAL = {"tree-ps --variant adv-star --consistency asp", "tree-ps --variant adv-star --consistency softsync",
           "tree-ps --variant adv-star --consistency bsp", "gossip --topology torus --async", "easgd"}
 
