@@ -150,7 +150,8 @@ def test_torchrun_runs_a_pipeline_as_the_local_launcher_does(tmp_path):
     assert ours.returncode == 0, ours.stderr
     theirs = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                              "-m", "plexus.cli", "train", *common, "--out", str(tmp_path / "torchrun")],
-                            capture_output=True, text=True, timeout=180, env={**os.environ, "PLEXUS_TOKEN": "t", "TMPDIR": str(tmp_path)})
+                            capture_output=True, text=True, timeout=180,
+                            env={**os.environ, "PLEXUS_TOKEN": "t", "TMPDIR": str(tmp_path)})  # torchelastic_* there
     assert theirs.returncode == 0, theirs.stderr
     summary = json.loads((tmp_path / "torchrun" / "summary.json").read_text())
     assert summary["processes"] == 2 and summary["pipeline"]["schedule"] == "1f1b"

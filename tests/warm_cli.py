@@ -19,7 +19,6 @@ conftest's orphan check tell the helper from a process a test left behind.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import importlib
 import json
 import os
@@ -33,7 +32,6 @@ import time
 __all__ = ["run", "helper_pids"]
 
 _MAX_MESSAGE = 1 << 20
-_PR_SET_PDEATHSIG = 1
 _helper: tuple[subprocess.Popen, socket.socket] | None = None
 
 
@@ -47,8 +45,8 @@ def _start() -> tuple[subprocess.Popen, socket.socket]:
         return _helper
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     env = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"}
-    proc = subprocess.Popen([sys.executable, __file__, str(theirs.fileno())], pass_fds=[theirs.fileno()], env=env,
-                            stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, __file__, str(theirs.fileno()), str(os.getpid())],
+                            pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
     theirs.close()
     _helper = (proc, ours)
     atexit.register(_stop)
@@ -68,7 +66,7 @@ def _stop() -> None:
         _helper = None
 
 
-def _read(fds: dict[int, str], deadline: float) -> dict[int, bytes]:
+def _read(fds: list[int], deadline: float) -> dict[int, bytes]:
     """Everything written to the read ends ``fds`` until each is closed, or until
     ``deadline``; raises TimeoutError then."""
     out = {fd: b"" for fd in fds}
@@ -105,7 +103,7 @@ def run(args, timeout: float = 180, env: dict | None = None, cwd=None) -> subpro
     argv = [sys.executable, "-m", "plexus.cli", *args]
     if "--debug" in args or env.get("PLEXUS_WARM_CLI") == "0":
         return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
-    proc, sock = _start()
+    _, sock = _start()
     deadline = time.monotonic() + timeout
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
@@ -118,7 +116,7 @@ def run(args, timeout: float = 180, env: dict | None = None, cwd=None) -> subpro
     pid = None
     try:
         pid = _reply(sock, deadline)["started"]
-        got = _read({out_r: "stdout", err_r: "stderr"}, deadline)
+        got = _read([out_r, err_r], deadline)
         status = _reply(sock, deadline)["status"]
     except TimeoutError:
         if pid is not None:
@@ -137,28 +135,22 @@ def run(args, timeout: float = 180, env: dict | None = None, cwd=None) -> subpro
 
 # --- the helper ---------------------------------------------------------------------------------
 
-def _die_with_parent() -> None:
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
-
-def _serve(sock: socket.socket) -> None:
-    _die_with_parent()
-    parent = os.getppid()
+def _serve(sock: socket.socket, parent: int) -> None:
+    from plexus.cluster.forkserver import _die_with  # here: the package imports torch
+    _die_with(parent)  # SIGKILL when the test process dies
     for name in ("torch", "plexus.cli", "plexus.train.job"):  # the point of the helper
         importlib.import_module(name)
     from plexus.train.process import warm
     warm()
-    if os.getppid() != parent:
-        os._exit(1)
     base_path = [p for p in sys.path[1:] if p not in os.environ.get("PYTHONPATH", "").split(os.pathsep)]
     while True:
         data, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 2)
         if not data:
             return
         request = json.loads(data)
-        pid = os.fork()
+        me, pid = os.getpid(), os.fork()
         if pid == 0:
-            _command(request, fds, sock, base_path)
+            _command(request, fds, sock, base_path, me)
         for fd in fds:
             os.close(fd)
         sock.send(json.dumps({"started": pid}).encode())
@@ -166,7 +158,7 @@ def _serve(sock: socket.socket) -> None:
         sock.send(json.dumps({"status": os.waitstatus_to_exitcode(status)}).encode())
 
 
-def _command(request: dict, fds: list[int], sock: socket.socket, base_path: list[str]) -> None:
+def _command(request: dict, fds: list[int], sock: socket.socket, base_path: list[str], helper: int) -> None:
     """A forked command: the request's directory, environment and import path (as
     ``python -m`` sets it: the directory first, then PYTHONPATH), stdout and stderr into
     the test's pipes, then ``plexus.cli.main``; atexit hooks run as at an interpreter's
@@ -174,7 +166,8 @@ def _command(request: dict, fds: list[int], sock: socket.socket, base_path: list
     code = 1
     try:
         sock.close()
-        _die_with_parent()
+        from plexus.cluster.forkserver import _die_with  # imported by the helper already
+        _die_with(helper)
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
@@ -209,4 +202,4 @@ def _command(request: dict, fds: list[int], sock: socket.socket, base_path: list
 
 
 if __name__ == "__main__":
-    _serve(socket.socket(fileno=int(sys.argv[1])))
+    _serve(socket.socket(fileno=int(sys.argv[1])), int(sys.argv[2]))
