@@ -52,12 +52,19 @@ CANDIDATES: dict[str, dict] = {
     "sgd lr .05 m .9": {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9},
     "sgd lr .15 m .9": {"optimizer": "sgd", "lr": 0.15, "momentum": 0.9},
     "sgd lr .2 m .5": {"optimizer": "sgd", "lr": 0.2, "momentum": 0.5},
+    "sgd lr .1 m .8": {"optimizer": "sgd", "lr": 0.1, "momentum": 0.8},
+    "sgd lr .2 m .8": {"optimizer": "sgd", "lr": 0.2, "momentum": 0.8},
+    "sgd lr .3 m .7": {"optimizer": "sgd", "lr": 0.3, "momentum": 0.7},
     "adagrad lr .05": {"optimizer": "adagrad", "lr": 0.05, "momentum": 0.0},
     "adagrad lr .1": {"optimizer": "adagrad", "lr": 0.1, "momentum": 0.0},
     "adagrad lr .02": {"optimizer": "adagrad", "lr": 0.02, "momentum": 0.0},
     "adam lr .001": {"optimizer": "adam", "lr": 0.001},
     "adam lr .003": {"optimizer": "adam", "lr": 0.003},
+    "adam lr .0042": {"optimizer": "adam", "lr": 0.0042},
+    "adam lr .005": {"optimizer": "adam", "lr": 0.005},
+    "adam lr .006": {"optimizer": "adam", "lr": 0.006},
     "adam lr .01": {"optimizer": "adam", "lr": 0.01},
+    "adam lr .02": {"optimizer": "adam", "lr": 0.02},
 }
 
 EASGD = [t for t in TARGETS if t.startswith("easgd")]

@@ -20,10 +20,8 @@ def build(flat: dict, source: str = "flag") -> JobConfig:
 @pytest.mark.parametrize("flat", [
     {"strategy": "ps", "workers": 4},
     {"strategy": "ps", "consistency": "ssp", "staleness": 1, "workers": 4},
-    {"strategy": "ps", "consistency": "softsync", "softsync": 2, "workers": 4},
     {"strategy": "tree-ps", "workers": 4},
-    {"strategy": "tree-ps", "variant": "adv-star", "consistency": "softsync", "softsync": 2, "workers": 4},
-    {"strategy": "tree-ps", "variant": "adv-star", "consistency": "bsp", "workers": 4},
+    {"strategy": "tree-ps", "variant": "adv-star", "workers": 4},
 ])
 def test_asynchronous_parameter_servers_default_to_adam_without_momentum(flat):
     cfg = build(flat)
@@ -31,6 +29,26 @@ def test_asynchronous_parameter_servers_default_to_adam_without_momentum(flat):
     assert (cfg.optim.optimizer, cfg.optim.lr, cfg.optim.momentum) == ("adam", 0.003, 0.0)
     assert cfg.source("optimizer") == label and cfg.source("momentum") == label
     assert cfg.source("lr") == "default for adam" and cfg.source("workers") == "flag"
+
+
+@pytest.mark.parametrize("flat, n", [
+    ({"strategy": "ps", "consistency": "softsync", "softsync": 2, "workers": 4}, 2),
+    ({"strategy": "tree-ps", "variant": "adv-star", "consistency": "softsync", "softsync": 2, "workers": 4}, 2),
+    ({"strategy": "tree-ps", "variant": "adv-star", "consistency": "softsync", "workers": 4}, 4),
+    ({"strategy": "tree-ps", "variant": "adv-star", "consistency": "bsp", "workers": 8}, 8),
+])
+@pytest.mark.parametrize("optimizer", [None, "adam"])
+def test_asynchronous_updates_of_several_gradients_scale_adams_rate_by_their_root(flat, n, optimizer):
+    """An update that averages n gradients is one step on a batch n times larger: Adam's
+    rate grows as sqrt(n) (Malladi et al. 2022), unless the user set the rate."""
+    cfg = build({**flat, **({"optimizer": optimizer} if optimizer else {})})
+    label = f"default for {flat['strategy']}/{cfg.strategy.consistency}, {n} gradients per update"
+    assert (cfg.optim.optimizer, cfg.optim.lr, cfg.optim.momentum) == ("adam", round(0.003 * n ** 0.5, 4), 0.0)
+    assert cfg.source("lr") == label and cfg.source("momentum") == label
+    assert cfg.source("optimizer") == ("flag" if optimizer else label)
+    assert build({**flat, "lr": 0.001, "optimizer": "adam"}).optim.lr == 0.001
+    sgd = build({**flat, "optimizer": "sgd"})
+    assert (sgd.optim.lr, sgd.optim.momentum) == (0.2, 0.0)
 
 
 @pytest.mark.parametrize("source", ["flag", "file", "spec", "api"])

@@ -62,9 +62,10 @@ LABELS = [label for label in MATRIX if MATRIX[label]["strategy"] != "allreduce"]
 # They run in the serial stage of ``make test``, where what they measure is their
 # defaults, not the machine's load. There too adv-star under softsync ended at 0.613 and
 # 0.607 against a bar of 0.615 (2026-11-27 12:45 and 13:58, seeds 0-3: 0.598, 0.613, 0.606,
-# 0.637 and 0.567, 0.592, 0.633, 0.637): at the four seeds its default measures 0.90x
-# (defaults-sweep.md, "adv-star under softsync at four seeds"), at the bar, and no rate of
-# Adam gives it a margin. The row fails about half the time until its default improves.
+# 0.637 and 0.567, 0.592, 0.633, 0.637) under Adam at 0.003, which measured 0.90x at the
+# four seeds: its updates average 4 gradients, and Adam's rate now grows as the root of
+# that (0.006 here; defaults-sweep.md, "Updates of several gradients"), which measured
+# 0.96x in eight runs, the lowest at 63.4 %.
 SERIAL = {"tree-ps --variant adv-star --consistency asp", "tree-ps --variant adv-star --consistency softsync",
           "tree-ps --variant adv-star --consistency bsp", "gossip --topology torus --async", "easgd"}
 

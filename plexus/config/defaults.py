@@ -22,10 +22,11 @@ Rules:
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-__all__ = ["Rule", "TABLE", "USER_SOURCES", "is_asynchronous", "resolve", "risks"]
+__all__ = ["Rule", "TABLE", "USER_SOURCES", "gradients_per_update", "is_asynchronous", "resolve", "risks"]
 
 # Sources that mean the user chose the value.
 USER_SOURCES = ("flag", "file", "spec", "api")
@@ -56,6 +57,20 @@ def is_asynchronous(flat: Mapping[str, Any]) -> bool:
     return True
 
 
+def gradients_per_update(flat: Mapping[str, Any]) -> int:
+    """Worker gradients one update of a ps or tree-ps configuration averages: every
+    worker's under bsp, n under n-softsync, one under asp and ssp (and for any other
+    strategy)."""
+    strategy, consistency, workers = _get(flat, "strategy"), _get(flat, "consistency"), _get(flat, "workers")
+    if strategy not in ("ps", "tree-ps"):
+        return 1
+    if consistency == "bsp" or (consistency == "ssp" and _get(flat, "staleness") == 0):
+        return workers
+    if consistency == "softsync" or (strategy == "tree-ps" and _get(flat, "softsync")):
+        return min(_get(flat, "softsync") or workers, workers)
+    return 1
+
+
 def _is_stale_pipeline(flat: Mapping[str, Any]) -> bool:
     """Whether a pipeline's stages step on gradients of older weights (pipedream, 2bw)."""
     return _get(flat, "schedule") in ("pipedream", "pipedream-2bw")
@@ -71,7 +86,7 @@ class Rule:
 
     label: Callable[[Mapping[str, Any]], str]
     applies: Callable[[Mapping[str, Any]], bool]
-    values: Mapping[str, Any]
+    values: Mapping[str, Any]  # a callable value is computed from the configuration
     why: str
 
 
@@ -97,6 +112,16 @@ TABLE: tuple[Rule, ...] = (
          values={"staleness": 2},
          why="ssp with bound 0 is bsp; a bound of 2 clocks lets a straggler fall behind a little "
              "(Ho et al. 2013) without stalling the others"),
+    Rule(label=lambda flat: f"{_label(flat)}, {gradients_per_update(flat)} gradients per update",
+         applies=lambda flat: (is_asynchronous(flat) and "lr" not in flat and gradients_per_update(flat) > 1
+                               and flat.get("optimizer", "adam") == "adam"),
+         values={"optimizer": "adam", "momentum": 0.0,
+                 "lr": lambda flat: round(0.003 * math.sqrt(gradients_per_update(flat)), 4)},
+         why="Adam's step is about lr per update whatever the batch, and an update that averages n gradients "
+             "takes a batch n times larger in n times fewer updates: the square-root rule for adaptive methods "
+             "(Malladi et al. 2022) gives 0.003 sqrt(n). tree-ps adv-star under softsync over 4 workers (800 "
+             "updates of 4 gradients, staleness 0.7) went from 0.90x allreduce at 0.003 to 0.96x at 0.006 on "
+             "mnist1d at four seeds; no other rate or optimizer tried passed 0.95x"),
     Rule(label=_label,
          applies=lambda flat: is_asynchronous(flat) and "lr" not in flat,
          values={"optimizer": "adam", "momentum": 0.0},
@@ -145,7 +170,7 @@ def resolve(given: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
             continue
         for key, value in rule.values.items():
             if key not in view:
-                values[key] = value
+                values[key] = value(view) if callable(value) else value
                 sources[key] = f"default for {rule.label(view)}"
     return values, sources
 
