@@ -12,7 +12,8 @@ transport's copy of each message; receiving an arrived one costs about as much, 
 mean micro-batch backward (in brackets the part after it sent its input gradients: the
 weight gradients' addition, which the previous stage does not wait for) and, under zb-h1,
 its W (weight gradient) apart, in ms.
-``--hidden H`` widens the model (ops cost more, a hand-off the same).
+``--hidden H`` widens the model (ops cost more, a hand-off the same); ``--batch-size B``
+gives each micro-batch B / M rows (ops and hand-offs both grow with it).
 ``--stages 2`` keeps the rows of two stages (a machine with two cores cannot give three
 stage processes a core each); ``--repeat N`` runs each row N times and prints the run
 whose measured bubble is the median.
@@ -54,6 +55,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="runs of each row; the table gives their median")
     parser.add_argument("--hidden", type=int, default=BASE["hidden"],
                         help=f"deep-mlp's width (default {BASE['hidden']}); each op's cost grows as its square")
+    parser.add_argument("--batch-size", type=int, default=BASE["batch_size"],
+                        help=f"the global batch (default {BASE['batch_size']}); a micro-batch is batch / M rows")
     args = parser.parse_args()
     schedules = [s for s in args.schedules.split(",") if s]
     # interleaved: 2 chunks per process, and only where M is a multiple of K (whole rounds).
@@ -66,7 +69,8 @@ def main() -> None:
              "|---:|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---|"]
     with tempfile.TemporaryDirectory() as tmp:
         for k, m, schedule in cases:
-            runs = [plexus.run({**BASE, "hidden": args.hidden, "stages": k, "microbatches": m, "schedule": schedule,
+            runs = [plexus.run({**BASE, "hidden": args.hidden, "batch_size": args.batch_size,
+                                "stages": k, "microbatches": m, "schedule": schedule,
                                 **({"chunks": 2} if schedule == "interleaved" else {}),
                                 "out": str(Path(tmp) / f"{k}-{m}-{schedule}-{r}")}) for r in range(args.repeat)]
             s = sorted(runs, key=lambda run: run["pipeline"]["bubble_measured"])[len(runs) // 2]  # the median run
