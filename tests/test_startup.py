@@ -29,6 +29,20 @@ def test_digits_load_without_importing_sklearn():
     assert np.array_equal(x, bunch.data) and np.array_equal(y, bunch.target) and y.dtype == np.int64
 
 
+@pytest.mark.parametrize("flags, says", [
+    (["--strategy", "nope"], "unknown strategy 'nope'"),
+    (["--workers", "3", "--batch-size", "64"], "batch_size"),
+])
+def test_a_bad_configuration_is_reported_before_torch_is_imported(flags, says):
+    """A mistake in the configuration costs the user a line, not torch's import (3 s of
+    CPU here): plexus train checks names and values first."""
+    code = ("import sys, plexus.cli; rc = plexus.cli.main(['train', *sys.argv[1:]]); "
+            "print(rc, 'torch' in sys.modules)")
+    out = subprocess.run([PY, "-c", code, *flags], capture_output=True, text=True, env=ENV, timeout=120)
+    assert out.stdout.split() == ["2", "False"], out.stdout + out.stderr
+    assert says in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
 def _records_dynamo() -> int:
     """A child: says whether torch._dynamo came with the fork (imported by the warm-up) and
     builds an optimizer, which needs it."""

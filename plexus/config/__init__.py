@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from plexus.config.applies import check_strategy
 from plexus.errors import ConfigError
 
 __all__ = [
@@ -525,6 +526,7 @@ class StrategyConfig:
     backup_after: float = 0.1
 
     def __post_init__(self) -> None:
+        check_strategy(self.strategy)
         _require(self.bucket_mb > 0, "bucket_mb", "must be positive MiB", self.bucket_mb, "pass --bucket-mb 25")
         _require(self.local_size >= 0, "local_size", "must be non-negative", self.local_size, "pass --local-size 2")
         _require(self.consistency in ("bsp", "asp", "ssp", "softsync"), "consistency",

@@ -16,12 +16,20 @@ from typing import Any, Mapping
 
 from plexus.errors import ConfigError
 
-__all__ = ["STRATEGY_NAMES", "APPLIES", "applies", "applies_to", "strategy_keys", "inapplicable",
+__all__ = ["STRATEGY_NAMES", "check_strategy", "APPLIES", "applies", "applies_to", "strategy_keys", "inapplicable",
            "check_applies", "drop_inapplicable"]
 
 # Every strategy, in the order the README's table lists them (``plexus.strategies.STRATEGIES``
 # must hold the same names: tested).
 STRATEGY_NAMES = ("allreduce", "ps", "tree-ps", "gossip", "local-sgd", "easgd", "sandblaster")
+
+
+def check_strategy(name: str) -> None:
+    """ConfigError listing the known strategies unless ``name`` is one (checked with the
+    configuration, before anything imports torch)."""
+    if name not in STRATEGY_NAMES:
+        raise ConfigError(f"unknown strategy {name!r}: choose one of {', '.join(sorted(STRATEGY_NAMES))}")
+
 
 _PS = ("ps", "tree-ps")
 # Strategies that train with a first-order optimizer (sandblaster runs L-BFGS).

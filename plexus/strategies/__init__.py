@@ -1,7 +1,7 @@
 """Strategies: one module per family, one interface (``base.Strategy``), chosen by name."""
 from __future__ import annotations
 
-from plexus.errors import ConfigError
+from plexus.config.applies import check_strategy
 from plexus.strategies.allreduce import AllReduceStrategy
 from plexus.strategies.base import Context, RoleContext, Strategy, StepStats
 from plexus.strategies.downpour import DownpourStrategy
@@ -20,10 +20,8 @@ STRATEGIES: dict[str, type[Strategy]] = {
 
 def strategy_class(name: str) -> type[Strategy]:
     """The strategy called ``name``; ConfigError lists the known strategies otherwise."""
-    try:
-        return STRATEGIES[name]
-    except KeyError:
-        raise ConfigError(f"unknown strategy {name!r}: choose one of {', '.join(sorted(STRATEGIES))}") from None
+    check_strategy(name)
+    return STRATEGIES[name]
 
 
 def create_strategy(name: str) -> Strategy:
