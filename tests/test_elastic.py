@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
 import warm_cli
+from test_ps_join import _free_port, _wait_for
 from plexus.strategies.elastic import Generation
 from plexus.train.batches import GlobalBatches
 from plexus.train.metrics import read_events
@@ -81,12 +80,6 @@ def test_an_elastic_run_without_faults_is_the_fixed_group_run(tmp_path, uninterr
     assert _relative_gap(weights, torch.load(tmp_path / "model.pt")) == 0.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_a_worker_joins_at_a_step_boundary_and_trains_with_the_group(tmp_path):
     port, token, out = _free_port(), "elastic-join-token", tmp_path / "run"
@@ -95,9 +88,7 @@ def test_a_worker_joins_at_a_step_boundary_and_trains_with_the_group(tmp_path):
                             "--log-every", "20", "--port", str(port), "--out", str(out)],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     try:
-        deadline = time.monotonic() + 90
-        while not read_events(out, "train") and time.monotonic() < deadline and job.poll() is None:
-            time.sleep(0.1)
+        _wait_for(lambda: bool(read_events(out, "train")), 90, "training started", job)
         joiner = subprocess.run([PY, "-m", "plexus.cli", "worker", "--join", f"127.0.0.1:{port}", "--timeout", "30"],
                                 capture_output=True, text=True, env=env, timeout=180)
         job_out, job_err = job.communicate(timeout=180)
