@@ -28,6 +28,9 @@ from typing import Any, Callable, Mapping
 
 __all__ = ["Rule", "TABLE", "USER_SOURCES", "gradients_per_update", "is_asynchronous", "resolve", "risks"]
 
+# Adam's rate for one worker gradient per update (the sweep's best; scaled by sqrt(n) for n).
+_ADAM_LR = 0.003
+
 # Sources that mean the user chose the value.
 USER_SOURCES = ("flag", "file", "spec", "api")
 
@@ -42,25 +45,18 @@ def is_asynchronous(flat: Mapping[str, Any]) -> bool:
     than the ones they update: asp and ssp, n-softsync with fewer pushes per update than
     workers (Gupta et al. 2016), and tree-ps adv-star under any gate. bsp, and softsync over
     every worker, are synchronous."""
-    strategy, consistency = _get(flat, "strategy"), _get(flat, "consistency")
+    strategy = _get(flat, "strategy")
     if strategy not in ("ps", "tree-ps") or _get(flat, "workers") == 1:
         return False
     if strategy == "tree-ps" and _get(flat, "variant") == "adv-star":
         return True  # learners read the weights on their own clock whatever the gate (Rudra-adv*)
-    if consistency == "bsp":
-        return False
-    if consistency == "ssp" and _get(flat, "staleness") == 0:
-        return False  # ssp with bound 0 is bsp
-    if consistency == "softsync" or (strategy == "tree-ps" and _get(flat, "softsync")):
-        per_update = _get(flat, "softsync") or _get(flat, "workers")
-        return per_update < _get(flat, "workers")
-    return True
+    return gradients_per_update(flat) < _get(flat, "workers")  # an update waits for fewer than all
 
 
 def gradients_per_update(flat: Mapping[str, Any]) -> int:
     """Worker gradients one update of a ps or tree-ps configuration averages: every
-    worker's under bsp, n under n-softsync, one under asp and ssp (and for any other
-    strategy)."""
+    worker's under bsp (and ssp with bound 0, which is bsp), n under n-softsync, one under
+    asp and ssp (and for any other strategy)."""
     strategy, consistency, workers = _get(flat, "strategy"), _get(flat, "consistency"), _get(flat, "workers")
     if strategy not in ("ps", "tree-ps"):
         return 1
@@ -116,7 +112,7 @@ TABLE: tuple[Rule, ...] = (
          applies=lambda flat: (is_asynchronous(flat) and "lr" not in flat and gradients_per_update(flat) > 1
                                and flat.get("optimizer", "adam") == "adam"),
          values={"optimizer": "adam", "momentum": 0.0,
-                 "lr": lambda flat: round(0.003 * math.sqrt(gradients_per_update(flat)), 4)},
+                 "lr": lambda flat: round(_ADAM_LR * math.sqrt(gradients_per_update(flat)), 4)},
          why="Adam's step is about lr per update whatever the batch, and an update that averages n gradients "
              "takes a batch n times larger in n times fewer updates: the square-root rule for adaptive methods "
              "(Malladi et al. 2022) gives 0.003 sqrt(n). tree-ps adv-star under softsync over 4 workers (800 "
@@ -155,7 +151,7 @@ TABLE: tuple[Rule, ...] = (
              "configuration of the sweep, pipedream and 2bw included (docs/results/deep-mlp-lr.md)"),
     Rule(label=lambda flat: "adagrad", applies=_optimizer_is("adagrad"), values={"lr": 0.05},
          why="Adagrad's step is lr over the root of the summed squared gradients: 0.1 overshot in the sweep"),
-    Rule(label=lambda flat: "adam", applies=_optimizer_is("adam"), values={"lr": 0.003},
+    Rule(label=lambda flat: "adam", applies=_optimizer_is("adam"), values={"lr": _ADAM_LR},
          why="Adam's step is about lr per coordinate: 0.1 overshoots; 0.003 was best in the sweep"),
 )
 
