@@ -5,7 +5,11 @@
     python benchmarks/pipeline_bubble.py --schedules 1f1b,zb-h1
     python benchmarks/pipeline_bubble.py --schedules 1f1b,interleaved   # --chunks 2
 
-Prints the markdown table of docs/results/pipeline.md. *Of it, starting sends*: the
+Prints the markdown table of docs/results/pipeline.md. *Simulated*: the schedule in
+virtual time with each stage's mean op costs, communication free; *replayed*: the same with
+each op's own duration in the last steps (the summary's ``bubble_replayed``), so that what
+the measured bubble adds to it is the time from an op's end to its dependent's start, not
+the ops' costs or how much they vary. *Of it, starting sends*: the
 share of the pipelined time the stages spent in their send calls (``send_seconds``: the
 transport's copy of each message; receiving an arrived one costs about as much, see
 ``benchmarks/hand_off.py``), averaged over the stages. The last column is each stage's
@@ -64,9 +68,10 @@ def main() -> None:
              for schedule in schedules
              if schedule != "interleaved" or m % k == 0]
     lines = ["| stages | micro-batches | schedule | bubble predicted | simulated with measured op costs "
-             "| bubble measured | per stage | of it, starting sends | gap to predicted | most micro-batches held | step ms "
+             "| replayed with each op's own duration | bubble measured | per stage | of it, starting sends "
+             "| gap to predicted | most micro-batches held | step ms "
              "| backward (after its sends) / W op ms per stage |",
-             "|---:|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---|"]
+             "|---:|---:|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---|"]
     with tempfile.TemporaryDirectory() as tmp:
         for k, m, schedule in cases:
             runs = [plexus.run({**BASE, "hidden": args.hidden, "batch_size": args.batch_size,
@@ -78,7 +83,7 @@ def main() -> None:
             per_stage = " / ".join(f"{x['bubble']:.3f}" for x in s["stages"])
             sends = sum(x["send_seconds"] / x["pipeline_seconds"] for x in s["stages"]) / len(s["stages"])
             lines.append(f"| {k} | {m} | {schedule} | {p['bubble_predicted']:.3f} | {p['bubble_simulated']:.3f} "
-                         f"| {p['bubble_measured']:.3f} "
+                         f"| {p['bubble_replayed']:.3f} | {p['bubble_measured']:.3f} "
                          f"| {per_stage} | {sends:.3f} | {p['bubble_measured'] - p['bubble_predicted']:+.3f} "
                          f"| {' / '.join(str(x['max_in_flight']) for x in s['stages'])} "
                          f"| {1000 * s['wall_seconds'] / s['steps']:.1f} "

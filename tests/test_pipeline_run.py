@@ -43,6 +43,8 @@ def test_a_synchronous_pipeline_equals_one_process(schedule, stages, microbatche
     fill = 3 * microbatches if schedule == "zb-h1" else microbatches
     assert pipeline["bubble_predicted"] == pytest.approx((stages - 1) / (fill + stages - 1))
     assert 0 <= pipeline["bubble_simulated"] < 1 and 0 <= pipeline["bubble_measured"] < 1
+    # each recorded step's ops line up with the schedule's lists (the replay needs them all)
+    assert 0 <= pipeline["bubble_replayed"] < 1
     held = {s["stage"]: s["max_in_flight"] for s in summary["stages"]}
     if schedule == "gpipe":
         assert held == {k: microbatches for k in range(stages)}
@@ -71,6 +73,7 @@ def test_an_interleaved_pipeline_equals_one_process(stages, microbatches, chunks
     schedule = Interleaved(stages=stages, microbatches=microbatches, chunks=chunks)
     assert summary["pipeline"]["bubble_predicted"] == pytest.approx(
         (stages - 1) / (chunks * microbatches + stages - 1))
+    assert 0 <= summary["pipeline"]["bubble_replayed"] < 1  # its chunk ops line up with the lists
     assert {s["stage"]: s["max_in_flight"] for s in summary["stages"]} == \
         {k: schedule.max_in_flight(k) for k in range(stages)}
     assert summary["traffic_matches_plan"] is True and len(summary["stages"]) == stages

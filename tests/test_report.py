@@ -545,6 +545,9 @@ def test_pipeline_line_and_shard_names():
     assert pipeline_line(summary) == ("1f1b over 8 micro-batches: bubble 0.356 measured, 0.200 by the closed form, "
                                       "0.226 simulated from the stages' measured op costs; at most 3 micro-batches "
                                       "(3.00 MiB of activations) held by a stage")
+    summary["pipeline"]["bubble_replayed"] = 0.301
+    assert "0.226 simulated from the stages' measured op costs, 0.301 replayed with each op's own duration; " \
+        in pipeline_line(summary)
     assert pipeline_line({}) is None and pipeline_line({"pipeline": {"schedule": "gpipe"}}) is None
     shard = {"stage": 1, "replica": 0, "shard": 1, "tensor_bytes_sent": 10}
     assert stage_name(shard, False) == "stage 1 shard 1"

@@ -276,6 +276,27 @@ def test_a_backward_that_sends_before_its_additions_shortens_the_bubble(name):
         simulate(schedule, 1.0, 2.0, after_send=[1.0])
 
 
+@pytest.mark.parametrize("name, chunks", [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)])
+def test_replay_with_each_ops_own_duration(name, chunks):
+    """The summary replays a run's last steps with each op's measured duration: with every
+    op at its kind's cost the replay is the simulation; one op made slower lengthens the
+    run; durations that do not match the op lists are one line."""
+    from plexus.parallel.schedules import replay
+    schedule = make_schedule(name, 3, 6, chunks=chunks)
+    cost = {"F": 1.0 / chunks, "B": (1.0 if schedule.splits_backward else 2.0) / chunks, "W": 1.0}
+    durations = [[cost[op.kind] for op in schedule.ops(s)] for s in range(3)]
+    tails = [[0.5 / chunks if op.kind == "B" else 0.0 for op in schedule.ops(s)] for s in range(3)]
+    weight = 1.0 if schedule.splits_backward else None
+    assert replay(schedule, durations) == simulate(schedule, 1.0, 2.0 if weight is None else 1.0, weight)
+    assert replay(schedule, durations, tails) == simulate(schedule, 1.0, 2.0 if weight is None else 1.0, weight,
+                                                          after_send=0.5)
+    durations[1][2] += 3.0
+    assert replay(schedule, durations).makespan > replay(schedule, durations[:1] + [
+        [cost[op.kind] for op in schedule.ops(s)] for s in (1, 2)]).makespan
+    with pytest.raises(ConfigError, match="replay: .* ops, got durations for"):
+        replay(schedule, [row[:-1] for row in durations])
+
+
 @pytest.mark.parametrize("name", ["pipedream", "pipedream-2bw"])
 def test_asynchronous_ops_come_one_at_a_time(name):
     """iter_ops gives ops()'s list, and makes a run as long as --time-limit's 2**62 steps

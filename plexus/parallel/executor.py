@@ -66,7 +66,7 @@ from plexus.cluster.traffic import Traffic
 from plexus.config import ASYNCHRONOUS_SCHEDULES, JobConfig
 from plexus.errors import ConfigError
 from plexus.parallel.partition import ModelGraph, PartitionPlan, Transfer, plan_partitions, trace_model
-from plexus.parallel.schedules import Op, make_schedule, simulate
+from plexus.parallel.schedules import Op, make_schedule, replay, simulate
 from plexus.parallel.stages import StageProgram, StageStep, build_stages, merge_state_dicts
 from plexus.parallel.split_backward import SplitBackward
 from plexus.parallel.stash import WeightStash
@@ -356,6 +356,7 @@ class StageExecutor:
     intervals of the last ``TIMELINE_STEPS`` steps for the report's time line."""
 
     TIMELINE_STEPS = 3
+    REPLAY_STEPS = 8
 
     def __init__(self, cfg: JobConfig, program: StageProgram, plan: PartitionPlan, store, device: torch.device,
                  backend: str, traffic: Traffic, criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
@@ -446,6 +447,9 @@ class StageExecutor:
         self._waits: list[tuple[float, float]] = []
         self._ops: list[tuple[str, float, float]] = []
         self.timeline: deque[list[list[Any]]] = deque(maxlen=self.TIMELINE_STEPS)
+        # A synchronous pipeline's last steps: [seconds, of them after its sends] per op of
+        # the schedule's list, for the summary's replay (``bubble_replayed``).
+        self.step_ops: deque[list[list[float]]] = deque(maxlen=self.REPLAY_STEPS)
 
     def name(self, j: int, shard: int | None = None) -> str:
         """The process of stage ``j`` of this replica, this shard (or ``shard``)."""
@@ -690,12 +694,19 @@ class StageExecutor:
         its loss (``_deposit``)."""
         self._finish_sends()
         self.pipeline_s += self._marks["backward"] - start
+        ops: list[list[float]] = []
         for kind, a, b in self._ops:  # an accumulation is the end of the backward before it
             tally = self.op_seconds["backward" if kind == "accumulate" else kind]
             tally[0] += b - a
             tally[1] += kind != "accumulate"
             if kind == "accumulate":
                 self.after_send_s += b - a
+                ops[-1] = [ops[-1][0] + b - a, b - a]
+            else:
+                ops.append([b - a, 0.0])
+        # (an asynchronous schedule's lists cover the run, not a step: no replay of those)
+        if self.schedule.synchronous and len(ops) == len(self.schedule.ops(self.k)):
+            self.step_ops.append(ops)
         self.pipeline_idle_s += sum(b - a for a, b in self._waits[waited:])
         return self._deposit(grads, total, params)
 
@@ -945,7 +956,7 @@ class StageExecutor:
                         **{f"{kind}_op_seconds": total / count if count else None
                            for kind, (total, count) in self.op_seconds.items()},
                         "backward_after_send_seconds": self.after_send_s / self.op_seconds["backward"][1]
-                        if self.op_seconds["backward"][1] else None}
+                        if self.op_seconds["backward"][1] else None, "step_ops": list(self.step_ops)}
             if self.asynchronous:  # the run's mini-batches (--time-limit: those made) and the versions kept
                 made = make_schedule(self.cfg.parallel.schedule, self.stages, self.microbatches,
                                      vertical_sync=self.vertical_sync, minibatches=max(1, steps))
@@ -1144,12 +1155,22 @@ def stage_summary(records: dict[int, dict[str, Any]]) -> dict[str, Any]:
         simulated = simulate(schedule, [v * rec["forward_op_seconds"] for rec in lane],
                              [v * rec["backward_op_seconds"] for rec in lane], weights,
                              after_send=[v * (rec.get("backward_after_send_seconds") or 0.0) for rec in lane]).bubble
+        # The same schedule replayed with each op's own duration in each of the last steps
+        # all stages recorded: what a measured bubble adds to it is the time from an op's
+        # end to its dependent's start (transfers, waking up), not the ops' costs.
+        steps = min(len(rec.get("step_ops") or []) for rec in lane)
+        replayed = None
+        if steps:
+            played = [replay(schedule, [[d for d, _ in rec["step_ops"][-n]] for rec in lane],
+                             [[t for _, t in rec["step_ops"][-n]] for rec in lane]).bubble
+                      for n in range(1, steps + 1)]
+            replayed = sum(played) / len(played)
         # The bubble: the share of the pipelined part of its steps each stage spent waiting,
         # averaged over the stage processes, beside the schedule's closed form.
         out["pipeline"] = {"schedule": piped[0]["schedule"], "microbatches": piped[0]["microbatches"],
                            "bubble_measured": sum(rec["bubble"] for rec in piped) / len(piped),
                            "bubble_predicted": piped[0]["predicted_bubble"],
-                           "bubble_simulated": simulated,
+                           "bubble_simulated": simulated, "bubble_replayed": replayed,
                            "max_in_flight": max(rec["max_in_flight"] for rec in piped),
                            "peak_activation_bytes": max(rec["peak_activation_bytes"] for rec in piped),
                            "recompute": piped[0]["recompute"]}

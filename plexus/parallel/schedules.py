@@ -4,7 +4,8 @@ operations over the micro-batches of a step (``plexus train --schedule``).
 Pure objects: no processes, no clocks. ``Schedule.ops(stage)`` is the order the process of
 that stage runs; the executor drives it with wall clocks and links, and ``simulate`` drives
 the same lists with virtual clocks (each op waits for the op it depends on in the next or
-previous stage, communication free). ``Schedule.check`` simulates too, so a list that
+previous stage, communication free), with a stage's cost per kind of op; ``replay`` does
+so with each op's own duration, as a run measured it. ``Schedule.check`` simulates too, so a list that
 breaks a dependency or deadlocks is found without a process.
 
 Operations: ``F`` forward, ``B`` backward (the whole backward, except under zb-h1 where it
@@ -32,7 +33,7 @@ whether the stage steps after it, so the executor never derives either.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Literal, Sequence
+from typing import Callable, Iterator, Literal, Sequence
 
 from plexus.errors import ConfigError, PlexusError
 
@@ -430,6 +431,32 @@ def simulate(schedule: Schedule, forward: float | Sequence[float] = 1.0, backwar
         raise ConfigError(f"simulate: {k} stages need {k} after-send costs, got {len(tails)}")
     costs = [{"F": forwards[s] / v, "B": backwards[s] / v, "W": (weights[s] if schedule.splits_backward else 0.0) / v}
              for s in range(k)]
+    return _play(schedule, lambda s, i, op: costs[s][op.kind],
+                 lambda s, i, op: tails[s] / v if op.kind == "B" else 0.0)
+
+
+def replay(schedule: Schedule, durations: Sequence[Sequence[float]],
+           after_send: Sequence[Sequence[float]] | None = None) -> Timeline:
+    """Run ``schedule``'s op lists in virtual time as ``simulate`` does, but with each op's
+    own duration: ``durations[s][i]`` is stage s's i-th op's (a step's ops as a run
+    measured them), and ``after_send[s][i]`` the part of it, for a backward, that its
+    dependents do not wait for (0 by default). Where ``simulate`` with a stage's mean
+    costs leaves out how much its ops vary, this keeps it; what a measured step adds to
+    its replay is then the time between an op's end and its dependent's start."""
+    k = schedule.stages
+    lengths = [len(schedule.ops(s)) for s in range(k)]
+    tails = after_send if after_send is not None else [[0.0] * n for n in lengths]
+    if [len(d) for d in durations] != lengths or [len(t) for t in tails] != lengths:
+        raise ConfigError(f"replay: {schedule.name}'s stages have {lengths} ops, got durations for "
+                          f"{[len(d) for d in durations]} and after-send parts for {[len(t) for t in tails]}")
+    return _play(schedule, lambda s, i, op: float(durations[s][i]), lambda s, i, op: float(tails[s][i]))
+
+
+def _play(schedule: Schedule, cost: Callable[[int, int, Op], float], tail: Callable[[int, int, Op], float]
+          ) -> Timeline:
+    """The virtual-time run of ``simulate`` and ``replay``: ``cost(s, i, op)`` is stage s's
+    i-th op's duration and ``tail(s, i, op)`` the part of it its dependents do not wait for."""
+    k, v = schedule.stages, schedule.chunks
     lists = [schedule.ops(s) for s in range(k)]
     ended: dict[tuple[str, int, int], float] = {}  # (kind, micro-batch, virtual stage) -> end
     times: list[list[tuple[Op, float, float]]] = [[] for _ in range(k)]
@@ -439,15 +466,16 @@ def simulate(schedule: Schedule, forward: float | Sequence[float] = 1.0, backwar
         progressed = False
         for s in range(k):
             while position[s] < len(lists[s]):
-                op = lists[s][position[s]]
+                i = position[s]
+                op = lists[s][i]
                 virtual = op.chunk * k + s
                 needs = _dependencies(op, virtual, k * v)
                 if any(need not in ended for need in needs):
                     break
                 start = max([clock[s], *(ended[need] for need in needs)])
-                clock[s] = start + costs[s][op.kind]
+                clock[s] = start + cost(s, i, op)
                 # What depends on a backward waits only for its sends.
-                ended[(op.kind, op.microbatch, virtual)] = clock[s] - (tails[s] / v if op.kind == "B" else 0.0)
+                ended[(op.kind, op.microbatch, virtual)] = clock[s] - tail(s, i, op)
                 times[s].append((op, start, clock[s]))
                 position[s] += 1
                 progressed = True

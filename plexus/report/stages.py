@@ -189,6 +189,8 @@ def pipeline_line(summary: Mapping[str, Any]) -> str | None:
     if any(f is None for f in figures):
         return None
     measured, predicted, simulated = figures
+    replayed = _number(p.get("bubble_replayed"))
+    replayed_text = f", {replayed:.3f} replayed with each op's own duration" if replayed is not None else ""
     held = mib(p.get("peak_activation_bytes"))
     # An asynchronous schedule (pipedream) lists the whole run: its mini-batches, never flushed.
     over = (f"{p.get('minibatches')} mini-batches, never flushed, weight stashing "
@@ -196,6 +198,7 @@ def pipeline_line(summary: Mapping[str, Any]) -> str | None:
             if "minibatches" in p else f"{p.get('microbatches')} micro-batches")
     return (f"{p.get('schedule')} over {over}"
             f"{' with recomputation' if p.get('recompute') else ''}: bubble {measured:.3f} measured, "
-            f"{predicted:.3f} by the closed form, {simulated:.3f} simulated from the stages' measured op costs; "
+            f"{predicted:.3f} by the closed form, {simulated:.3f} simulated from the stages' measured op costs"
+            f"{replayed_text}; "
             f"at most {p.get('max_in_flight')} micro-batches"
             f"{f' ({held:.2f} MiB of activations)' if held is not None else ''} held by a stage")
