@@ -7,6 +7,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -21,6 +22,12 @@ os.environ.setdefault("MPLCONFIGDIR", "/tmp/plexus-mpl")
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
 # A run's plots cost about 1.3 s of CPU; the tests that read them ask for `with_report`.
 os.environ["PLEXUS_NO_REPORT"] = "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``early`` first (pytest-xdist hands tests out in this order): the
+    parallel stage's longest jobs, which collected last ran alone at its end."""
+    items.sort(key=lambda item: item.get_closest_marker("early") is None)
 
 
 @pytest.fixture
@@ -50,9 +57,9 @@ def once(tmp_path_factory) -> Callable[[str, Callable[[Path], Any], float], Any]
     return get
 
 
-def _children() -> set[int]:
-    """PIDs of live processes whose parent is this test process."""
-    me, found = os.getpid(), set()
+def _children(parent: int | None = None) -> set[int]:
+    """PIDs of live processes whose parent is ``parent`` (by default this test process)."""
+    me, found = parent or os.getpid(), set()
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
@@ -69,9 +76,18 @@ def _children() -> set[int]:
 def no_orphans():
     """Every test must reap what it starts."""
     before = _children()
+    helper = warm_cli.listening_pid()
+    running = _children(helper) if helper is not None else set()
     yield
     left = _children() - before - warm_cli.helper_pids()
     assert not left, f"test left child processes behind: {sorted(left)}"
+    # A command of warm_cli.popen waits in a child of the listening helper, not of ours
+    # (which leaves it a moment after it has reported the command's exit).
+    helper, deadline = warm_cli.listening_pid(), time.monotonic() + 2
+    while helper is not None and _children(helper) - running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = _children(helper) - running if helper is not None else set()
+    assert not left, f"test left commands of the warm helper running: {sorted(left)}"
 
 
 @pytest.fixture(scope="session", autouse=True)

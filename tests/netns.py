@@ -21,7 +21,10 @@ import sys
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-__all__ = ["Host", "hosts", "on_host", "start_train", "kill_host", "link_down", "kill_all", "pids", "skip_reason"]
+import warm_cli
+
+__all__ = ["Host", "hosts", "on_host", "start_helper", "start_train", "kill_host", "link_down", "kill_all", "pids",
+           "skip_reason"]
 
 
 def skip_reason() -> str | None:
@@ -93,11 +96,24 @@ def on_host(host: Host, argv: Sequence[str], env: dict[str, str], **popen) -> su
                             env=env, start_new_session=True, **popen)
 
 
-def start_train(found: list[Host], per_node: list[int], flags: list[str], out, port: int, agent: bool = True
-                ) -> list[subprocess.Popen]:
+def start_helper(host: Host, path: str, timeout: float = 30) -> subprocess.Popen:
+    """A warm helper on ``host`` (``warm_cli.py --listen``) at the Unix socket ``path``: the
+    processes ``start_train(..., helpers=...)`` starts there are forked from it, torch
+    imported once per host instead of once per process (6 s of CPU each here)."""
+    helper = on_host(host, [sys.executable, os.path.join(os.path.dirname(__file__), "warm_cli.py"), "--listen",
+                            path, str(os.getpid())], {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"},
+                     stdin=subprocess.DEVNULL)
+    warm_cli.wait_for_socket(helper, path, timeout)
+    return helper
+
+
+def start_train(found: list[Host], per_node: list[int], flags: list[str], out, port: int, agent: bool = True,
+                helpers: Sequence[str] | None = None) -> list:
     """``plexus train FLAGS`` with node i's per_node[i] processes on host i: under a torchrun
     agent per host, or (``agent=False``) as bare processes with the environment torchrun
-    gives them, so that a test sees each process's own exit status."""
+    gives them, so that a test sees each process's own exit status; with ``helpers`` (the
+    socket of each host's ``start_helper``) those are forked from the host's helper
+    (``warm_cli.Command``, a Popen of their own)."""
     # TMPDIR: torchrun's agent leaves a torchelastic_* folder there (its logs), in the test's own.
     env = {**os.environ, "PLEXUS_TOKEN": "many-hosts", "MPLCONFIGDIR": "/tmp/plexus-mpl",
            "TMPDIR": os.path.dirname(str(out))}
@@ -116,6 +132,9 @@ def start_train(found: list[Host], per_node: list[int], flags: list[str], out, p
             ranks = {"RANK": str(first + local), "WORLD_SIZE": str(sum(per_node)), "LOCAL_RANK": str(local),
                      "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": str(node), "MASTER_ADDR": master,
                      "MASTER_PORT": str(port)}
+            if helpers is not None:
+                procs.append(warm_cli.Command(helpers[node], train[2:], {**env, **ranks}))
+                continue
             procs.append(on_host(host, [sys.executable, *train], {**env, **ranks}, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True))
     return procs

@@ -5,7 +5,6 @@ import dataclasses
 import datetime as dt
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -22,6 +21,7 @@ from plexus.cluster.spawn import spawn
 from plexus.config import ClusterConfig, parse_kill, parse_net, parse_slow
 from plexus.errors import ConfigError, PeerLost
 from procs import alive, role_processes
+import warm_cli
 
 PY = sys.executable
 
@@ -78,13 +78,13 @@ def test_launcher_tolerates_accepted_failures():
     assert status == 0
 
 
-def _start_training(tmp_path: Path, *extra: str) -> subprocess.Popen:
+def _start_training(tmp_path: Path, *extra: str) -> warm_cli.Command:
+    """``plexus train`` in a session of its own, forked from the tests' warm helper (a
+    launcher as the console script's, without paying torch's import again)."""
     out = tmp_path / "run"
-    proc = subprocess.Popen([PY, "-m", "plexus.cli", "train", "--workers", "2", "--time-limit", "120",
-                             "--out", str(out), "--quiet", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    proc = warm_cli.popen(["train", "--workers", "2", "--time-limit", "120", "--out", str(out), "--quiet", *extra])
     assert wait_until(lambda: (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").stat().st_size > 0, 60), \
-        proc.stderr.read1().decode() if proc.poll() is not None else "training never started"
+        proc.communicate(timeout=10)[1] if proc.poll() is not None else "training never started"
     assert len(processes_of(proc.pid)) == 2
     return proc
 
@@ -116,7 +116,7 @@ def test_killed_child_ends_job_with_its_status(tmp_path):
     os.kill(started[0], signal.SIGKILL)
     _, err = proc.communicate(timeout=20)
     assert proc.returncode != 0
-    assert "exited with status" in err.decode()
+    assert "exited with status" in err
     assert wait_until(lambda: not any(map(alive, started)), 5)
 
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,7 +15,6 @@ from plexus.strategies.elastic import Generation
 from plexus.train.batches import GlobalBatches
 from plexus.train.metrics import read_events
 
-PY = sys.executable
 JOB = ["--strategy", "allreduce", "--dataset", "digits", "--model", "mlp", "--batch-size", "64", "--timeout", "30",
        "--quiet", "--json"]
 
@@ -84,13 +81,11 @@ def test_an_elastic_run_without_faults_is_the_fixed_group_run(tmp_path, uninterr
 def test_a_worker_joins_at_a_step_boundary_and_trains_with_the_group(tmp_path):
     port, token, out = _free_port(), "elastic-join-token", tmp_path / "run"
     env = {**os.environ, "PLEXUS_TOKEN": token, "PLEXUS_NO_REPORT": "1"}
-    job = subprocess.Popen([PY, "-m", "plexus.cli", "train", *JOB, "--workers", "2", "--elastic", "--steps", "4000",
-                            "--log-every", "20", "--port", str(port), "--out", str(out)],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    job = warm_cli.popen(["train", *JOB, "--workers", "2", "--elastic", "--steps", "4000", "--log-every", "20",
+                          "--port", str(port), "--out", str(out)], env=env)  # forked warm, as the joiner is
     try:
         _wait_for(lambda: bool(read_events(out, "train")), 90, "training started", job)
-        joiner = subprocess.run([PY, "-m", "plexus.cli", "worker", "--join", f"127.0.0.1:{port}", "--timeout", "30"],
-                                capture_output=True, text=True, env=env, timeout=180)
+        joiner = warm_cli.run(["worker", "--join", f"127.0.0.1:{port}", "--timeout", "30"], env=env, timeout=180)
         job_out, job_err = job.communicate(timeout=180)
     finally:
         if job.poll() is None:

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from plexus.train.job import DATA_CACHE
+import warm_cli
 from test_cli import assert_usage_error, plexus_cli
 
-PY = sys.executable
 BIN = Path(sys.executable).parent
 
 
@@ -316,10 +316,9 @@ def _interrupt(tmp_path: Path, sig: int, *extra: str, env: dict | None = None) -
                                                                                           Path]:
     from plexus.train.metrics import read_events
     out = tmp_path / "run"
-    argv = [PY, "-m", "plexus.cli", "train", "--strategy", "ps", "--workers", "2", "--steps", "1000000",
+    argv = ["train", "--strategy", "ps", "--workers", "2", "--steps", "1000000",
             "--eval-every", "20", "--log-every", "5", "--out", str(out), "--quiet", *extra]
-    job = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           env={**os.environ, **(env or {})})
+    job = warm_cli.popen(argv, env={**os.environ, **(env or {})})  # a launcher forked warm (--debug: a fresh one)
     try:
         deadline = time.monotonic() + 120
         # Something measured to keep: 20 steps, and the first evaluation (its snapshot is
@@ -379,10 +378,8 @@ def test_a_launcher_killed_with_sigkill_leaves_its_data_beside_the_run(tmp_path)
     from plexus.train.metrics import read_events
     out, tmp = tmp_path / "run", tmp_path / "tmp"
     tmp.mkdir()
-    argv = [PY, "-m", "plexus.cli", "train", "--workers", "2", "--steps", "1000000", "--eval-every", "0",
-            "--log-every", "5", "--out", str(out), "--quiet"]
-    job = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           start_new_session=True, env={**os.environ, "TMPDIR": str(tmp)})
+    job = warm_cli.popen(["train", "--workers", "2", "--steps", "1000000", "--eval-every", "0", "--log-every", "5",
+                          "--out", str(out), "--quiet"], env={**os.environ, "TMPDIR": str(tmp)})
     try:
         deadline = time.monotonic() + 120
         while not read_events(out, "train") and job.poll() is None:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import warm_cli
 
 import plexus
 from plexus.ps.heartbeat import GapStats, Watch, heartbeat_summary
@@ -126,11 +127,11 @@ def test_no_false_loss_when_the_store_stands_still_longer_than_the_peer_timeout(
     slow reverse DNS lookup did. The watchers see their own reads stall and do not blame
     their peers."""
     out = tmp_path / "run"
-    argv = [sys.executable, "-m", "plexus.cli", "train", "--strategy", "tree-ps", "--variant", "adv", "--workers", "8",
+    argv = ["train", "--strategy", "tree-ps", "--variant", "adv", "--workers", "8",
             "--servers", "2", "--fanout", "2", "--dataset", "digits", "--hidden", "32", "--momentum", "0",
             "--steps", "1000000", "--time-limit", "10", "--eval-every", "0", "--log-every", "20",
             "--peer-timeout", "2", "--out", str(out), "--quiet", "--json"]
-    job = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    job = warm_cli.popen(argv)  # the launcher, forked from the tests' warm helper
     try:
         deadline = time.monotonic() + 120
         while not read_events(out, "train") and job.poll() is None and time.monotonic() < deadline:

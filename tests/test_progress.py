@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import warm_cli
 
 from plexus.config import JobConfig
 from plexus.train.progress import MetricsTail, Snapshot, describe, oversubscription
@@ -77,6 +78,6 @@ def test_off_a_terminal_train_prints_start_up_phases_progress_lines_and_the_crow
     last = int(steps[-1].split("samples/s")[0].split()[-1].replace(",", ""))
     # The job's rate (both workers), not one worker's half of it.
     assert last > 0.6 * summary["samples_per_second"], (steps, summary["samples_per_second"])
-    quiet = subprocess.run([PY, "-m", "plexus.cli", "train", "--workers", "1", "--steps", "200", "--quiet",
-                            "--out", str(tmp_path / "quiet")], capture_output=True, text=True, timeout=300, env=env)
+    quiet = warm_cli.run(["train", "--workers", "1", "--steps", "200", "--quiet", "--out", str(tmp_path / "quiet")],
+                         timeout=300, env=env)
     assert quiet.returncode == 0 and "plexus: step" not in quiet.stderr and "start-up" not in quiet.stderr

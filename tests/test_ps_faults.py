@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+import warm_cli
 from procs import role_processes
 
 import plexus
@@ -73,13 +72,11 @@ def test_silent_worker_is_dropped_after_peer_timeout_under_bsp(tmp_path):
     --peer-timeout seconds only; when it wakes up it learns it was dropped and exits, and
     the job finishes with the others."""
     port, token, out = _free_port(), "silent-test-token", tmp_path / "run"
-    job = subprocess.Popen([sys.executable, "-m", "plexus.cli", "train", "--strategy", "ps", "--consistency", "bsp",
-                            "--workers", "3", "--dataset", "digits", "--hidden", "32", "--lr", "0.05",
-                            "--batch-size", "48", "--steps", "1000000", "--time-limit", "120", "--eval-every", "0",
-                            "--log-every", "10", "--port", str(port), "--timeout", "20", "--peer-timeout", "2",
-                            "--out", str(out), "--quiet", "--json"],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                           env={**os.environ, "PLEXUS_TOKEN": token})
+    job = warm_cli.popen(["train", "--strategy", "ps", "--consistency", "bsp", "--workers", "3", "--dataset", "digits",
+                          "--hidden", "32", "--lr", "0.05", "--batch-size", "48", "--steps", "1000000",
+                          "--time-limit", "120", "--eval-every", "0", "--log-every", "10", "--port", str(port),
+                          "--timeout", "20", "--peer-timeout", "2", "--out", str(out), "--quiet", "--json"],
+                         env={**os.environ, "PLEXUS_TOKEN": token})
     try:
         progress = lambda: max((e["step"] for e in read_events(out, "train") if e["worker"] == 0), default=0)  # noqa
         _wait_for(lambda: progress() >= 20, 90, "training started", job)

@@ -48,20 +48,19 @@ def _stop(port: int, token: str) -> None:
 def test_worker_joins_a_running_job_and_a_malformed_client_is_cut_off(tmp_path):
     port, token, out = _free_port(), "join-test-token", tmp_path / "run"
     env = {**os.environ, "PLEXUS_TOKEN": token}
-    job = subprocess.Popen([PY, "-m", "plexus.cli", "train", "--strategy", "ps", "--consistency", "asp",
-                            "--workers", "2", "--servers", "2", "--dataset", "digits", "--hidden", "32",
-                            "--lr", "0.1", "--momentum", "0", "--batch-size", "32", "--steps", "1000000",
-                            "--time-limit", "120",
-                            "--eval-every", "200", "--log-every", "20", "--port", str(port), "--timeout", "30",
-                            "--peer-timeout", "5", "--out", str(out), "--quiet", "--json"],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    # The job and the joiner are forked from the tests' warm helper (warm_cli.popen).
+    job = warm_cli.popen(["train", "--strategy", "ps", "--consistency", "asp", "--workers", "2", "--servers", "2",
+                          "--dataset", "digits", "--hidden", "32", "--lr", "0.1", "--momentum", "0",
+                          "--batch-size", "32", "--steps", "1000000", "--time-limit", "120", "--eval-every", "200",
+                          "--log-every", "20", "--port", str(port), "--timeout", "30", "--peer-timeout", "5",
+                          "--out", str(out), "--quiet", "--json"], env=env)
+    joiner = None
     try:
         _wait_for(lambda: bool(read_events(out, "train")), 90, "training started", job)
         attack = subprocess.Popen([PY, "-c", f"import sys; sys.path.insert(0, {str(HERE)!r}); import ps_fns; "
                                    f"print(ps_fns.malicious_join('127.0.0.1', {port}, {token!r}, 'unknown-op'))"],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        joiner = subprocess.Popen([PY, "-m", "plexus.cli", "worker", "--join", f"127.0.0.1:{port}", "--timeout", "30"],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        joiner = warm_cli.popen(["worker", "--join", f"127.0.0.1:{port}", "--timeout", "30"], env=env)
         attack_out, attack_err = attack.communicate(timeout=90)
         # Once the joiner has trained a while, end the job as a reached target would.
         _wait_for(lambda: any(e["worker"] >= 2 and e["step"] >= 40 for e in read_events(out, "train")), 90,
@@ -70,8 +69,8 @@ def test_worker_joins_a_running_job_and_a_malformed_client_is_cut_off(tmp_path):
         join_out, join_err = joiner.communicate(timeout=120)
         job_out, job_err = job.communicate(timeout=120)
     finally:
-        for proc in (job,):
-            if proc.poll() is None:
+        for proc in (job, joiner):
+            if proc is not None and proc.poll() is None:
                 os.killpg(proc.pid, 9)
                 proc.wait()
     assert attack_out.strip().splitlines()[-1] == "ERROR", attack_err

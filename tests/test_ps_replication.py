@@ -162,12 +162,12 @@ def test_a_server_joins_and_another_drains_into_it_mid_run(tmp_path):
     port, token, out = _free_port(), "group-test-token", tmp_path / "run"
     env = {**os.environ, "PLEXUS_TOKEN": token}
     plexus_cli = [sys.executable, "-m", "plexus.cli"]
-    job = subprocess.Popen([*plexus_cli, "train", "--strategy", "ps", "--consistency", "asp", "--workers", "3",
-                            "--batch-size", "48", "--servers", "2", "--dataset", "digits", "--hidden", "32",
-                            "--lr", "0.05", "--steps", "1000000", "--time-limit", "120", "--eval-every", "0",
-                            "--log-every", "20", "--port", str(port), "--timeout", "30", "--peer-timeout", "5",
-                            "--ledger", "--out", str(out), "--quiet", "--json", "--no-report"],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    job = warm_cli.popen(["train", "--strategy", "ps", "--consistency", "asp", "--workers", "3", "--batch-size", "48",
+                          "--servers", "2", "--dataset", "digits", "--hidden", "32", "--lr", "0.05",
+                          "--steps", "1000000", "--time-limit", "120", "--eval-every", "0", "--log-every", "20",
+                          "--port", str(port), "--timeout", "30", "--peer-timeout", "5", "--ledger",
+                          "--out", str(out), "--quiet", "--json", "--no-report"], env=env)
+    # (the spare is a process of its own: the test reads its stderr while it runs)
     try:
         _wait_for(lambda: bool(read_events(out, "train")), 90, "training started", job)
         wrong = warm_cli.run(["server", "--join", f"127.0.0.1:{port}", "--timeout", "10"],

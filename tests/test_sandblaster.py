@@ -154,23 +154,19 @@ def test_a_replica_that_joins_takes_units(tmp_path):
     it and it computes units of the next evaluations; each unit still counts once."""
     import json
     import os
-    import subprocess
-    import sys
 
+    import warm_cli
     from plexus.cluster.rendezvous import ProcessInfo, connect_store
     from plexus.train.metrics import read_events
     from test_ps_join import _free_port, _wait_for
     port, token, out = _free_port(), "join-sandblaster", tmp_path / "run"
     env = {**os.environ, "PLEXUS_TOKEN": token}
-    job = subprocess.Popen([sys.executable, "-m", "plexus.cli", "train", "--strategy", "sandblaster", "--workers", "2",
-                            "--dataset", "digits", "--steps", "100000", "--time-limit", "90", "--log-every", "20",
-                            "--port", str(port), "--timeout", "30", "--out", str(out), "--quiet", "--json"],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    job = warm_cli.popen(["train", "--strategy", "sandblaster", "--workers", "2", "--dataset", "digits",
+                          "--steps", "100000", "--time-limit", "90", "--log-every", "20", "--port", str(port),
+                          "--timeout", "30", "--out", str(out), "--quiet", "--json"], env=env)
     try:
         _wait_for(lambda: bool(read_events(out, "train")), 90, "training started", job)
-        joiner = subprocess.Popen([sys.executable, "-m", "plexus.cli", "worker", "--join", f"127.0.0.1:{port}",
-                                   "--timeout", "30"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  env=env)
+        joiner = warm_cli.popen(["worker", "--join", f"127.0.0.1:{port}", "--timeout", "30"], env=env)
         _wait_for(lambda: any(e["worker"] == 2 and e["step"] >= 40 for e in read_events(out, "train")), 90,
                   "the joined replica's units", job)
         info = ProcessInfo(role="worker", rank=-1, world_size=0, master_addr="127.0.0.1", master_port=port,

@@ -15,6 +15,13 @@ runs as a real subprocess instead, as does one under ``PLEXUS_WARM_CLI=0``.
 One helper per test process, started on first use; it dies with that process
 (``PR_SET_PDEATHSIG``), and each command dies with the helper. ``helper_pids()`` lets the
 conftest's orphan check tell the helper from a process a test left behind.
+
+``python warm_cli.py --listen PATH PARENT`` is a helper that runs commands side by side:
+each connection to the Unix socket PATH is one command, in a session of its own, and
+``Command`` is its ``subprocess.Popen``. ``popen`` starts one for the test process (for the
+jobs a test signals, or joins while they run), and tests/netns.py one on each host (network
+namespace) that several tests share, so that the processes of a job across hosts do not
+each import torch.
 """
 from __future__ import annotations
 
@@ -23,20 +30,70 @@ import importlib
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
-__all__ = ["run", "helper_pids"]
+__all__ = ["run", "popen", "listening_pid", "helper_pids", "Command"]
 
 _MAX_MESSAGE = 1 << 20
 _helper: tuple[subprocess.Popen, socket.socket] | None = None
+_listening: tuple[subprocess.Popen, str] | None = None  # popen's helper and its socket
 
 
 def helper_pids() -> set[int]:
-    return set() if _helper is None or _helper[0].poll() is not None else {_helper[0].pid}
+    return {proc.pid for proc in (_helper and _helper[0], _listening and _listening[0])
+            if proc is not None and proc.poll() is None}
+
+
+def listening_pid() -> int | None:
+    """The listening helper of ``popen``, if it runs: the commands' waiting processes are its
+    children (the conftest's orphan check looks for those left)."""
+    return _listening[0].pid if _listening is not None and _listening[0].poll() is None else None
+
+
+def popen(args, env: dict | None = None, cwd=None) -> "Command | subprocess.Popen":
+    """``subprocess.Popen([python, "-m", "plexus.cli", *args], stdout=PIPE, stderr=PIPE,
+    text=True, env=env, cwd=cwd, start_new_session=True)`` for a command the test signals,
+    reads while it runs or runs beside others: forked from a listening helper of this test
+    process (``--listen``), started on first use; a real subprocess with ``--debug``."""
+    global _listening
+    args = [str(a) for a in args]
+    if "--debug" in args:  # c10d's C++ warnings, which the helper's import of torch turned off
+        return subprocess.Popen([sys.executable, "-m", "plexus.cli", *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env, cwd=cwd, start_new_session=True)
+    if _listening is None or _listening[0].poll() is not None:
+        folder = tempfile.mkdtemp(prefix="plexus-warm-")
+        path = os.path.join(folder, "helper.sock")
+        proc = subprocess.Popen([sys.executable, __file__, "--listen", path, str(os.getpid())],
+                                env={**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"}, stdin=subprocess.DEVNULL)
+        wait_for_socket(proc, path)
+        _listening = (proc, path)
+        atexit.register(_stop_listening, proc, folder)
+    return Command(_listening[1], args, dict(os.environ if env is None else env), cwd)
+
+
+def wait_for_socket(proc: subprocess.Popen, path: str, timeout: float = 30) -> None:
+    """Until the listening helper ``proc`` has bound ``path``; RuntimeError if it exits first."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            raise RuntimeError(f"the tests' listening helper did not start (status {proc.returncode})")
+        time.sleep(0.02)
+
+
+def _stop_listening(proc: subprocess.Popen, folder: str) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _start() -> tuple[subprocess.Popen, socket.socket]:
@@ -133,16 +190,85 @@ def run(args, timeout: float = 180, env: dict | None = None, cwd=None) -> subpro
                                        got[err_r].decode(errors="replace"))
 
 
+class Command:
+    """``subprocess.Popen([python, "-m", "plexus.cli", *args], stdout=PIPE, stderr=PIPE,
+    text=True, env=env, cwd=cwd, start_new_session=True)``, forked from the listening
+    helper at ``path``: ``pid``, ``returncode``, ``poll``, ``wait`` and ``communicate``."""
+
+    def __init__(self, path: str, args, env: dict[str, str], cwd=None) -> None:
+        self.args = [str(a) for a in args]
+        self.returncode: int | None = None
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._sock.connect(path)
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        try:
+            request = {"args": self.args, "env": env, "cwd": str(cwd or os.getcwd())}
+            socket.send_fds(self._sock, [json.dumps(request).encode()], [out_w, err_w])
+        finally:
+            os.close(out_w)
+            os.close(err_w)
+        self._pipes = [out_r, err_r]
+        self._got = {out_r: b"", err_r: b""}
+        self.pid = _reply(self._sock, time.monotonic() + 30)["started"]
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def poll(self) -> int | None:
+        return self.wait(0) if self.returncode is None and select.select([self._sock], [], [], 0)[0] else \
+            self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            deadline = time.monotonic() + (1e9 if timeout is None else timeout)
+            try:
+                self.returncode = _reply(self._sock, deadline)["status"]
+            except TimeoutError:
+                raise subprocess.TimeoutExpired(self.args, timeout) from None
+            self._sock.close()
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """Its stdout and stderr once both are closed, and then its exit status."""
+        deadline = time.monotonic() + (1e9 if timeout is None else timeout)
+        if self._pipes:
+            try:
+                got = _read(self._pipes, deadline)
+            except TimeoutError:
+                raise subprocess.TimeoutExpired(self.args, timeout) from None
+            for fd in self._pipes:
+                self._got[fd] += got[fd]
+                os.close(fd)
+            self._pipes = []
+        self.wait(max(0.0, deadline - time.monotonic()))
+        out, err = self._got.values()
+        return out.decode(errors="replace"), err.decode(errors="replace")
+
+
 # --- the helper ---------------------------------------------------------------------------------
 
-def _serve(sock: socket.socket, parent: int) -> None:
+def _warm_up(parent: int) -> list[str]:
+    """A helper's start: die with the test process ``parent``, import what every command
+    would, and return the import path a command starts from (less PYTHONPATH)."""
     from plexus.cluster.forkserver import _die_with  # here: the package imports torch
     _die_with(parent)  # SIGKILL when the test process dies
     for name in ("torch", "plexus.cli", "plexus.train.job"):  # the point of the helper
         importlib.import_module(name)
     from plexus.train.process import warm
     warm()
-    base_path = [p for p in sys.path[1:] if p not in os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    return [p for p in sys.path[1:] if p not in os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+
+
+def _serve(sock: socket.socket, parent: int) -> None:
+    base_path = _warm_up(parent)
     while True:
         data, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 2)
         if not data:
@@ -158,6 +284,36 @@ def _serve(sock: socket.socket, parent: int) -> None:
         sock.send(json.dumps({"status": os.waitstatus_to_exitcode(status)}).encode())
 
 
+def _serve_many(path: str, parent: int) -> None:
+    """The listening helper: a process per connection, which forks its command, reports
+    the pid, waits for it and reports its exit status."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)  # first: a command that connects during the imports waits for them
+    listener.listen(64)
+    base_path = _warm_up(parent)
+    from plexus.cluster.forkserver import _die_with
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the connections' processes reap themselves
+    me = os.getpid()
+    while True:
+        conn, _ = listener.accept()
+        if os.fork() == 0:
+            listener.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            _die_with(me)
+            data, fds, _, _ = socket.recv_fds(conn, _MAX_MESSAGE, 2)
+            handler, pid = os.getpid(), os.fork()
+            if pid == 0:
+                os.setsid()  # the test kills the command's process group
+                _command(json.loads(data), fds, conn, base_path, handler)
+            for fd in fds:
+                os.close(fd)
+            conn.send(json.dumps({"started": pid}).encode())
+            _, status = os.waitpid(pid, 0)
+            conn.send(json.dumps({"status": os.waitstatus_to_exitcode(status)}).encode())
+            os._exit(0)
+        conn.close()
+
+
 def _command(request: dict, fds: list[int], sock: socket.socket, base_path: list[str], helper: int) -> None:
     """A forked command: the request's directory, environment and import path (as
     ``python -m`` sets it: the directory first, then PYTHONPATH), stdout and stderr into
@@ -171,6 +327,8 @@ def _command(request: dict, fds: list[int], sock: socket.socket, base_path: list
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        import tempfile
+        tempfile.tempdir = None  # read from TMPDIR again, as a fresh interpreter would
         extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         sys.path[:] = [request["cwd"], *extra, *[p for p in base_path if p not in extra]]
         null = os.open(os.devnull, os.O_RDONLY)
@@ -202,4 +360,7 @@ def _command(request: dict, fds: list[int], sock: socket.socket, base_path: list
 
 
 if __name__ == "__main__":
-    _serve(socket.socket(fileno=int(sys.argv[1])), int(sys.argv[2]))
+    if sys.argv[1] == "--listen":
+        _serve_many(sys.argv[2], int(sys.argv[3]))
+    else:
+        _serve(socket.socket(fileno=int(sys.argv[1])), int(sys.argv[2]))
