@@ -24,12 +24,6 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), os.environ.g
 os.environ["PLEXUS_NO_REPORT"] = "1"
 
 
-def pytest_collection_modifyitems(config, items):
-    """Tests marked ``early`` first (pytest-xdist hands tests out in this order): the
-    parallel stage's longest jobs, which collected last ran alone at its end."""
-    items.sort(key=lambda item: item.get_closest_marker("early") is None)
-
-
 @pytest.fixture
 def with_report(monkeypatch):
     """Runs started in this test write their plots and index.html, as they do by default."""

@@ -174,7 +174,6 @@ def mnist1d_1f1b(once):
 
 @pytest.mark.slow
 @pytest.mark.parallel
-@pytest.mark.early  # with its reference, the parallel stage's longest chain of jobs
 @pytest.mark.parametrize("schedule", ["pipedream", "pipedream-2bw"])
 def test_pipedream_learns_mnist1d_as_the_synchronous_pipeline_does(schedule, mnist1d_1f1b, tmp_path):
     """At equal samples (the same steps of the same batches), pipedream's accuracy is at
