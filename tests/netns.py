@@ -96,15 +96,13 @@ def on_host(host: Host, argv: Sequence[str], env: dict[str, str], **popen) -> su
                             env=env, start_new_session=True, **popen)
 
 
-def start_helper(host: Host, path: str, timeout: float = 30) -> subprocess.Popen:
+def start_helper(host: Host, path: str) -> subprocess.Popen:
     """A warm helper on ``host`` (``warm_cli.py --listen``) at the Unix socket ``path``: the
     processes ``start_train(..., helpers=...)`` starts there are forked from it, torch
     imported once per host instead of once per process (6 s of CPU each here)."""
-    helper = on_host(host, [sys.executable, os.path.join(os.path.dirname(__file__), "warm_cli.py"), "--listen",
-                            path, str(os.getpid())], {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"},
-                     stdin=subprocess.DEVNULL)
-    warm_cli.wait_for_socket(helper, path, timeout)
-    return helper
+    sock, argv, env = warm_cli.listener(path)
+    with sock:
+        return on_host(host, argv, env, pass_fds=[sock.fileno()], stdin=subprocess.DEVNULL)
 
 
 def start_train(found: list[Host], per_node: list[int], flags: list[str], out, port: int, agent: bool = True,

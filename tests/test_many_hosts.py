@@ -31,11 +31,11 @@ def warm_hosts():
     folder = tempfile.mkdtemp(prefix="plexus-hosts-")
     try:
         with netns.hosts(2) as found:
-            helpers = []
+            paths, helpers = [os.path.join(folder, f"{host.name}.sock") for host in found], []
             try:
-                for host in found:
-                    helpers.append(netns.start_helper(host, os.path.join(folder, f"{host.name}.sock")))
-                yield found, [os.path.join(folder, f"{host.name}.sock") for host in found]
+                for host, path in zip(found, paths):
+                    helpers.append(netns.start_helper(host, path))
+                yield found, paths
             finally:
                 netns.kill_all(helpers)
     finally:

@@ -16,8 +16,9 @@ One helper per test process, started on first use; it dies with that process
 (``PR_SET_PDEATHSIG``), and each command dies with the helper. ``helper_pids()`` lets the
 conftest's orphan check tell the helper from a process a test left behind.
 
-``python warm_cli.py --listen PATH PARENT`` is a helper that runs commands side by side:
-each connection to the Unix socket PATH is one command, in a session of its own, and
+``python warm_cli.py --listen FD PARENT`` is a helper that runs commands side by side on
+the listening Unix socket FD it inherits (``listener``): each connection is one command,
+in a session of its own, and
 ``Command`` is its ``subprocess.Popen``. ``popen`` starts one for the test process (for the
 jobs a test signals, or joins while they run), and tests/netns.py one on each host (network
 namespace) that several tests share, so that the processes of a job across hosts do not
@@ -38,7 +39,7 @@ import sys
 import tempfile
 import time
 
-__all__ = ["run", "popen", "listening_pid", "helper_pids", "Command"]
+__all__ = ["run", "popen", "listener", "listening_pid", "helper_pids", "Command"]
 
 _MAX_MESSAGE = 1 << 20
 _helper: tuple[subprocess.Popen, socket.socket] | None = None
@@ -60,33 +61,39 @@ def popen(args, env: dict | None = None, cwd=None) -> "Command | subprocess.Pope
     """``subprocess.Popen([python, "-m", "plexus.cli", *args], stdout=PIPE, stderr=PIPE,
     text=True, env=env, cwd=cwd, start_new_session=True)`` for a command the test signals,
     reads while it runs or runs beside others: forked from a listening helper of this test
-    process (``--listen``), started on first use; a real subprocess with ``--debug``."""
+    process (``--listen``), started on first use; a real subprocess where ``run`` makes one."""
     global _listening
     args = [str(a) for a in args]
-    if "--debug" in args:  # c10d's C++ warnings, which the helper's import of torch turned off
+    env = dict(os.environ if env is None else env)
+    if _fresh(args, env):
         return subprocess.Popen([sys.executable, "-m", "plexus.cli", *args], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, env=env, cwd=cwd, start_new_session=True)
     if _listening is None or _listening[0].poll() is not None:
         folder = tempfile.mkdtemp(prefix="plexus-warm-")
         path = os.path.join(folder, "helper.sock")
-        proc = subprocess.Popen([sys.executable, __file__, "--listen", path, str(os.getpid())],
-                                env={**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"}, stdin=subprocess.DEVNULL)
-        wait_for_socket(proc, path)
+        sock, argv, helper_env = listener(path)
+        with sock:  # the helper holds it from here: with the helper gone, a command is refused at once
+            proc = subprocess.Popen(argv, env=helper_env, pass_fds=[sock.fileno()], stdin=subprocess.DEVNULL)
         _listening = (proc, path)
         atexit.register(_stop_listening, proc, folder)
-    return Command(_listening[1], args, dict(os.environ if env is None else env), cwd)
+    return Command(_listening[1], args, env, cwd)
 
 
-def wait_for_socket(proc: subprocess.Popen, path: str, timeout: float = 30) -> None:
-    """Until the listening helper ``proc`` has bound ``path``; RuntimeError if it exits first."""
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(path):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-            raise RuntimeError(f"the tests' listening helper did not start (status {proc.returncode})")
-        time.sleep(0.02)
+def listener(path: str) -> tuple[socket.socket, list[str], dict[str, str]]:
+    """A listening Unix socket bound at ``path``, and the command line and environment of a
+    helper that serves it: start that with the socket's descriptor passed, then close ours.
+    A command may connect at once; it waits in the backlog while the helper imports torch."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.bind(path)
+    sock.listen(64)
+    argv = [sys.executable, os.path.abspath(__file__), "--listen", str(sock.fileno()), str(os.getpid())]
+    return sock, argv, {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"}
+
+
+def _fresh(args: list[str], env: dict[str, str]) -> bool:
+    """A command that runs as a real subprocess: ``--debug`` keeps c10d's C++ warnings, which
+    the helpers' import of torch turned off, and ``PLEXUS_WARM_CLI=0`` asks for one."""
+    return "--debug" in args or env.get("PLEXUS_WARM_CLI") == "0"
 
 
 def _stop_listening(proc: subprocess.Popen, folder: str) -> None:
@@ -158,7 +165,7 @@ def run(args, timeout: float = 180, env: dict | None = None, cwd=None) -> subpro
     args = [str(a) for a in args]
     env = dict(os.environ if env is None else env)
     argv = [sys.executable, "-m", "plexus.cli", *args]
-    if "--debug" in args or env.get("PLEXUS_WARM_CLI") == "0":
+    if _fresh(args, env):
         return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
     _, sock = _start()
     deadline = time.monotonic() + timeout
@@ -284,20 +291,17 @@ def _serve(sock: socket.socket, parent: int) -> None:
         sock.send(json.dumps({"status": os.waitstatus_to_exitcode(status)}).encode())
 
 
-def _serve_many(path: str, parent: int) -> None:
+def _serve_many(listening: socket.socket, parent: int) -> None:
     """The listening helper: a process per connection, which forks its command, reports
     the pid, waits for it and reports its exit status."""
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    listener.bind(path)  # first: a command that connects during the imports waits for them
-    listener.listen(64)
     base_path = _warm_up(parent)
     from plexus.cluster.forkserver import _die_with
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the connections' processes reap themselves
     me = os.getpid()
     while True:
-        conn, _ = listener.accept()
+        conn, _ = listening.accept()
         if os.fork() == 0:
-            listener.close()
+            listening.close()
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             _die_with(me)
             data, fds, _, _ = socket.recv_fds(conn, _MAX_MESSAGE, 2)
@@ -361,6 +365,6 @@ def _command(request: dict, fds: list[int], sock: socket.socket, base_path: list
 
 if __name__ == "__main__":
     if sys.argv[1] == "--listen":
-        _serve_many(sys.argv[2], int(sys.argv[3]))
+        _serve_many(socket.socket(fileno=int(sys.argv[2])), int(sys.argv[3]))
     else:
         _serve(socket.socket(fileno=int(sys.argv[1])), int(sys.argv[2]))
