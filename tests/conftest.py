@@ -22,6 +22,13 @@ os.environ.setdefault("MPLCONFIGDIR", "/tmp/plexus-mpl")
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
 # A run's plots cost about 1.3 s of CPU; the tests that read them ask for `with_report`.
 os.environ["PLEXUS_NO_REPORT"] = "1"
+# Every store connection makes c10d's client look up the name of ::ffff:127.0.0.1 in DNS
+# (benchmarks/store_connect.py). This machine's DNS drops some of the lookups that several
+# processes send at once, and each dropped one held its job up for the resolver's 5 s
+# timeout (tests/test_tree_ps.py's every-gradient test: 18.6 s, 5.5 s with this). glibc
+# reads RES_OPTIONS at a process's first lookup; the test processes and their children
+# wait 1 s before they ask again.
+os.environ.setdefault("RES_OPTIONS", "timeout:1")
 
 
 @pytest.fixture
