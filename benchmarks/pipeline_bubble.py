@@ -34,6 +34,7 @@ os.environ.setdefault("MPLCONFIGDIR", os.path.join(tempfile.gettempdir(), "plexu
 os.environ.setdefault("PLEXUS_NO_REPORT", "1")
 
 import plexus  # noqa: E402
+from plexus.bench import machine_line, reference_op_ms  # noqa: E402
 
 BASE = dict(dataset="digits", model="deep-mlp", hidden=1024, batch_size=256, threads=1, steps=40, eval_every=0,
             device="cpu", backend="gloo",
@@ -62,6 +63,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=BASE["batch_size"],
                         help=f"the global batch (default {BASE['batch_size']}); a micro-batch is batch / M rows")
     args = parser.parse_args()
+    before = reference_op_ms()
     schedules = [s for s in args.schedules.split(",") if s]
     # interleaved: 2 chunks per process, and only where M is a multiple of K (whole rounds).
     cases = [(k, m, schedule) for k in (int(k) for k in args.stages.split(",")) for m in (4, 8)
@@ -90,6 +92,7 @@ def main() -> None:
                          f"| {' / '.join(_ops(x) for x in s['stages'])} |")
             print(lines[-1], file=sys.stderr)
     print("\n".join(lines))
+    print(f"\n{machine_line(before)}")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -90,3 +91,6 @@ def test_bench_startup_prints_the_table_with_ratios(tmp_path):
     assert data["torch_import_seconds"] > 0
     # Measured from outside: the first step comes after the command starts and before it ends.
     assert 0 < row["first_step_seconds"] <= row["command_seconds"]
+    # The machine's speed before and after, on stderr (stdout's last line is the JSON).
+    assert re.search(r"reference op .* [0-9.]+ ms before the benchmark, [0-9.]+ ms after", out.stderr), out.stderr
+

@@ -5,9 +5,12 @@ runs one.
 """
 from __future__ import annotations
 
+import os
+import statistics
+import time
 from importlib.util import find_spec
 
-__all__ = ["BENCHMARKS", "csv_list"]
+__all__ = ["BENCHMARKS", "csv_list", "machine_line", "reference_op_ms"]
 
 _ALL = {
     "ddp": ("samples/s of the allreduce strategy against DistributedDataParallel", "plexus.bench.ddp"),
@@ -20,6 +23,36 @@ _ALL = {
     "simulate": ("real seconds of 1,000- and 10,000-worker simulations against the 60 s goal",
                  "plexus.bench.simulate"),
 }
+
+def reference_op_ms(repeats: int = 200) -> float:
+    """The median milliseconds of one reference op on one thread: a 32-row, 1024-wide
+    ``x @ W.T``, the size of a micro-batch through one of the benchmarks' Linear layers.
+    A shared machine's speed drifts (the development machine's took 0.75 to 2.8 ms in one
+    day), so every benchmark prints it beside its table: rows measured at different speeds
+    are not comparable, and ratios within one run are."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x, weight = torch.randn(32, 1024), torch.randn(1024, 1024)
+        samples = []
+        for i in range(repeats + 20):
+            start = time.perf_counter()
+            x @ weight.T
+            if i >= 20:  # the first ones warm the caches and the allocator
+                samples.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return 1e3 * statistics.median(samples)
+
+
+def machine_line(before_ms: float) -> str:
+    """One line saying how fast this machine was: ``reference_op_ms`` measured before a
+    benchmark (``before_ms``) and now, after it."""
+    import torch
+    return (f"machine: {os.cpu_count()} cores, torch {torch.__version__}; reference op (32 x 1024 by "
+            f"1024 x 1024, one thread) {before_ms:.2f} ms before the benchmark, {reference_op_ms():.2f} ms after")
+
 
 def csv_list(text: str) -> list[str]:
     """A comma-separated flag's values (``--algorithms native,ring``), blanks dropped."""

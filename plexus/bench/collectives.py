@@ -95,6 +95,9 @@ def _check(args: argparse.Namespace) -> tuple[list[str], list[int], list[int]]:
             raise ConfigError(f"{flag} must name at least one value, got nothing: see --help")
     if min(procs) < 1:
         raise ConfigError(f"--procs: every process count must be at least 1, got {min(procs)}")
+    if min(sizes) < 4:
+        raise ConfigError(f"--sizes: every size must be at least 4 bytes (one float32), got {min(sizes)} after "
+                          f"rounding down to whole floats: pass e.g. --sizes 4KB,1MB")
     if args.reps < 1 or args.warmup < 0:
         raise ConfigError(f"--reps must be at least 1 and --warmup at least 0, got {args.reps} and {args.warmup}")
     if args.local_size < 0:

@@ -105,7 +105,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from plexus.errors import ConfigError
+    from plexus.train.data import KNOWN_DATASETS
+    if args.workers < 1:
+        raise ConfigError(f"--workers must be at least 1, got {args.workers}: pass --workers 4")
+    if args.steps is not None and args.steps < 1:
+        raise ConfigError(f"--steps must be at least 1, got {args.steps}: leave it out for each dataset's default")
+    unknown = [d for d in args.datasets if d not in KNOWN_DATASETS]
+    if unknown:
+        raise ConfigError(f"--datasets: unknown dataset {unknown[0]!r}: pass some of {', '.join(KNOWN_DATASETS)}")
     labels = [label for label in MATRIX if args.only in label]
+    if not labels:
+        raise ConfigError(f"--only {args.only!r} matches no configuration: pass part of a label, e.g. --only ps")
     steps = {d: args.steps or DEFAULT_STEPS.get(d, 300) for d in args.datasets}
     print(f"plexus bench defaults, {time.strftime('%Y-%m-%d')}: --workers {args.workers}, steps "
           f"{', '.join(f'{d} {n}' for d, n in steps.items())}, --seed {args.seed}, model mlp; "

@@ -49,7 +49,14 @@ def run_row(flags: dict, workers: int, servers: int, timing_only: bool, steps: i
 
 
 def main(args: argparse.Namespace) -> int:
-    rows = [ROWS[i] for i in args.rows] if getattr(args, "rows", None) else ROWS
+    from plexus.errors import ConfigError
+    if args.steps < 1:
+        raise ConfigError(f"--steps must be at least 1, got {args.steps}: pass --steps 1000")
+    chosen = getattr(args, "rows", None) or []
+    if any(not 0 <= i < len(ROWS) for i in chosen):
+        raise ConfigError(f"--rows: rows are numbered 0 to {len(ROWS) - 1}, got "
+                          f"{next(i for i in chosen if not 0 <= i < len(ROWS))}")
+    rows = [ROWS[i] for i in chosen] if chosen else ROWS
     print("| configuration | workers | steps | real s | goal s | real/goal | events/s | simulated s | accuracy |")
     print("|---|---|---|---|---|---|---|---|---|")
     met = True

@@ -1,0 +1,36 @@
+"""``plexus bench``: bad input is one line on stderr and exit 2, before anything is printed
+or measured; a benchmark that ran ends with the machine's speed (``plexus.bench.machine_line``)."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from plexus.bench import machine_line, reference_op_ms
+from plexus.cli import main
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["startup", "--workers", "0"], "--workers must be at least 1"),
+    (["startup", "--strategies", "ps,allredux"], "unknown strategy 'allredux'"),
+    (["defaults", "--workers", "0"], "--workers must be at least 1"),
+    (["defaults", "--steps", "0"], "--steps must be at least 1"),
+    (["defaults", "--datasets", "nope"], "unknown dataset 'nope'"),
+    (["defaults", "--only", "zzz"], "matches no configuration"),
+    (["simulate", "--steps", "0"], "--steps must be at least 1"),
+    (["simulate", "--rows", "99"], "rows are numbered 0 to"),
+    (["collectives", "--sizes", "0"], "every size must be at least 4 bytes"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, args, needle):
+    code = main(["bench", *args])
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and needle in lines[0], err
+    assert out == ""  # no table header, no machine line
+
+
+def test_machine_line_gives_the_reference_op_before_and_after():
+    assert 0 < reference_op_ms(repeats=5) < 1000
+    line = machine_line(1.25)
+    assert re.fullmatch(r"machine: \d+ cores, torch \S+; reference op \(32 x 1024 by 1024 x 1024, one thread\) "
+                        r"1\.25 ms before the benchmark, [0-9.]+ ms after", line), line
