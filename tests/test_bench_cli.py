@@ -2,6 +2,7 @@
 or measured; a benchmark that ran ends with the machine's speed (``plexus.bench.machine_line``)."""
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -34,3 +35,19 @@ def test_machine_line_gives_the_reference_op_before_and_after():
     line = machine_line(1.25)
     assert re.fullmatch(r"machine: \d+ cores, torch \S+; reference op \(32 x 1024 by 1024 x 1024, one thread\) "
                         r"1\.25 ms before the benchmark, [0-9.]+ ms after", line), line
+
+
+def test_the_matrix_removes_its_run_directories(monkeypatch):
+    """``plexus bench defaults`` trains about 80 jobs: their run directories go in a
+    temporary folder that is gone once the table is done."""
+    import plexus.bench.defaults as defaults
+    seen = []
+
+    def train_one(dataset, label, out, **_):
+        seen.append(out)
+        raise RuntimeError("not trained here")
+    monkeypatch.setattr(defaults, "train_one", train_one)
+    rows = list(defaults.run_matrix(["digits"], ["easgd"]))
+    assert [r.label for r in rows] == [defaults.REFERENCE, "easgd"] and all(r.health == "failed" for r in rows)
+    parent = os.path.dirname(seen[0])
+    assert os.path.basename(parent).startswith("plexus-defaults-") and not os.path.exists(parent)

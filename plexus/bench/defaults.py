@@ -74,9 +74,13 @@ def train_one(dataset: str, label: str, out: str, *, workers: int = 4, steps: in
 
 def run_matrix(datasets: list[str], labels: list[str], *, workers: int = 4, steps: int = 300, seed: int = 0,
                root: str | None = None) -> Iterator[Row]:
-    """Train the reference, then each configuration in ``labels``, on each dataset."""
-    import tempfile
-    root = root or tempfile.mkdtemp(prefix="plexus-defaults-")
+    """Train the reference, then each configuration in ``labels``, on each dataset; the run
+    directories go under ``root``, by default a temporary folder removed at the end."""
+    if root is None:
+        import tempfile
+        with tempfile.TemporaryDirectory(prefix="plexus-defaults-") as tmp:
+            yield from run_matrix(datasets, labels, workers=workers, steps=steps, seed=seed, root=tmp)
+        return
     for dataset in datasets:
         reference = None
         for n, label in enumerate([REFERENCE] + [x for x in labels if x != REFERENCE]):
