@@ -58,6 +58,8 @@ CANDIDATES: dict[str, dict] = {
     "adagrad lr .05": {"optimizer": "adagrad", "lr": 0.05, "momentum": 0.0},
     "adagrad lr .1": {"optimizer": "adagrad", "lr": 0.1, "momentum": 0.0},
     "adagrad lr .02": {"optimizer": "adagrad", "lr": 0.02, "momentum": 0.0},
+    "adagrad lr .03": {"optimizer": "adagrad", "lr": 0.03, "momentum": 0.0},
+    "adagrad lr .07": {"optimizer": "adagrad", "lr": 0.07, "momentum": 0.0},
     "adam lr .001": {"optimizer": "adam", "lr": 0.001},
     "adam lr .003": {"optimizer": "adam", "lr": 0.003},
     "adam lr .0042": {"optimizer": "adam", "lr": 0.0042},
