@@ -24,23 +24,42 @@ _ALL = {
                  "plexus.bench.simulate"),
 }
 
-def reference_op_ms(repeats: int = 200) -> float:
+def reference_op_ms(repeats: int = 200, copies: int = 1) -> float:
     """The median milliseconds of one reference op on one thread: a 32-row, 1024-wide
     ``x @ W.T``, the size of a micro-batch through one of the benchmarks' Linear layers.
     A shared machine's speed drifts (the development machine's took 0.75 to 2.8 ms in one
     day), so every benchmark prints it beside its table: rows measured at different speeds
-    are not comparable, and ratios within one run are."""
+    are not comparable, and ratios within one run are.
+
+    ``copies``: that many threads run the op at once, each on one torch thread (the
+    product releases the GIL), and the median is over all of them. On independent cores
+    the time stays; the development machine's two cores took 1.5 to 2 times as long each
+    when both ran it, so its processes slow each other whenever they compute at once."""
+    import threading
+
     import torch
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    try:
+    samples: list[float] = []
+    lock = threading.Lock()
+
+    def run() -> None:
         x, weight = torch.randn(32, 1024), torch.randn(1024, 1024)
-        samples = []
+        mine = []
         for i in range(repeats + 20):
             start = time.perf_counter()
             x @ weight.T
             if i >= 20:  # the first ones warm the caches and the allocator
-                samples.append(time.perf_counter() - start)
+                mine.append(time.perf_counter() - start)
+        with lock:
+            samples.extend(mine)
+
+    try:
+        workers = [threading.Thread(target=run) for _ in range(max(1, copies))]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
     finally:
         torch.set_num_threads(threads)
     return 1e3 * statistics.median(samples)
@@ -48,10 +67,12 @@ def reference_op_ms(repeats: int = 200) -> float:
 
 def machine_line(before_ms: float) -> str:
     """One line saying how fast this machine was: ``reference_op_ms`` measured before a
-    benchmark (``before_ms``) and now, after it."""
+    benchmark (``before_ms``) and now, after it, alone and with a copy on every core."""
     import torch
-    return (f"machine: {os.cpu_count()} cores, torch {torch.__version__}; reference op (32 x 1024 by "
-            f"1024 x 1024, one thread) {before_ms:.2f} ms before the benchmark, {reference_op_ms():.2f} ms after")
+    cores = os.cpu_count() or 1
+    return (f"machine: {cores} cores, torch {torch.__version__}; reference op (32 x 1024 by 1024 x 1024, "
+            f"one thread) {before_ms:.2f} ms before the benchmark, {reference_op_ms():.2f} ms after, "
+            f"{reference_op_ms(copies=cores):.2f} ms with one on each core at once")
 
 
 def csv_list(text: str) -> list[str]:
