@@ -69,8 +69,9 @@ def machine_line(before_ms: float) -> str:
     """One line saying how fast this machine was: ``reference_op_ms`` measured before a
     benchmark (``before_ms``) and now, after it, alone and with a copy on every core."""
     import torch
-    cores = os.cpu_count() or 1
-    return (f"machine: {cores} cores, torch {torch.__version__}; reference op (32 x 1024 by 1024 x 1024, "
+    # The cores this process may run on (taskset pins benchmarks to some), not the machine's.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return (f"machine: {cores} core{'s' if cores != 1 else ''}, torch {torch.__version__}; reference op (32 x 1024 by 1024 x 1024, "
             f"one thread) {before_ms:.2f} ms before the benchmark, {reference_op_ms():.2f} ms after, "
             f"{reference_op_ms(copies=cores):.2f} ms with one on each core at once")
 
