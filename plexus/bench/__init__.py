@@ -24,6 +24,7 @@ _ALL = {
                  "plexus.bench.simulate"),
 }
 
+
 def reference_op_ms(repeats: int = 200, copies: int = 1) -> float:
     """The median milliseconds of one reference op on one thread: a 32-row, 1024-wide
     ``x @ W.T``, the size of a micro-batch through one of the benchmarks' Linear layers.
@@ -71,9 +72,9 @@ def machine_line(before_ms: float) -> str:
     import torch
     # The cores this process may run on (taskset pins benchmarks to some), not the machine's.
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return (f"machine: {cores} core{'s' if cores != 1 else ''}, torch {torch.__version__}; reference op (32 x 1024 by 1024 x 1024, "
-            f"one thread) {before_ms:.2f} ms before the benchmark, {reference_op_ms():.2f} ms after, "
-            f"{reference_op_ms(copies=cores):.2f} ms with one on each core at once")
+    return (f"machine: {cores} core{'s' if cores != 1 else ''}, torch {torch.__version__}; reference op "
+            f"(32 x 1024 by 1024 x 1024, one thread) {before_ms:.2f} ms before the benchmark, "
+            f"{reference_op_ms():.2f} ms after, {reference_op_ms(copies=cores):.2f} ms with one on each core at once")
 
 
 def csv_list(text: str) -> list[str]:
