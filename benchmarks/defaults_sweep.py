@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
                         choices=list(TARGETS))
     parser.add_argument("--candidates", nargs="+", default=list(CANDIDATES), choices=list(CANDIDATES))
     args = parser.parse_args(argv)
-    root = tempfile.mkdtemp(prefix="plexus-sweep-")
+    workdir = tempfile.TemporaryDirectory(prefix="plexus-sweep-")  # the runs' directories, removed at the end
+    root = workdir.name
     print(f"# defaults sweep, {time.strftime('%Y-%m-%d')}, workers {args.workers}, steps {args.steps}, "
           f"seeds {args.seeds}, repeats {args.repeats}\n")
     spread = args.repeats > 1 or len(args.seeds) > 1
@@ -107,25 +108,28 @@ def main(argv: list[str] | None = None) -> int:
         cells = f"| {dataset} | {target} | {label} | {100 * acc:.1f} % | {acc / ref_acc:.2f} |"
         return cells + (f" {100 * min(accs):.1f} - {100 * max(accs):.1f} % |" if spread else "")
 
-    for dataset in args.datasets:
-        common = {"dataset": dataset, "model": "mlp", "workers": args.workers, "steps": args.steps}
-        # allreduce is deterministic: one run per seed.
-        ref = [train({**common, **REFERENCE, "seed": s}, f"{root}/{n}-{s}")[0] for s in args.seeds]
-        n += 1
-        ref_acc = sum(ref) / len(ref)
-        print(row(dataset, "allreduce ring", "sgd lr .1 m .9 (sync)", ref, ref_acc), flush=True)
-        for target in args.targets:
-            for label in args.candidates:
-                accs = []
-                for i, s in enumerate(runs):
-                    flat = {**common, **TARGETS[target], **CANDIDATES[label], "seed": s}
-                    try:
-                        accs.append(train(flat, f"{root}/{n}-{i}")[0])
-                    except Exception as exc:  # a failed run is a row, not the end of the sweep
-                        print(f"<!-- {target} / {label}: {exc} -->", file=sys.stderr)
-                        accs.append(0.0)
-                n += 1
-                print(row(dataset, target, label, accs, ref_acc), flush=True)
+    try:
+        for dataset in args.datasets:
+            common = {"dataset": dataset, "model": "mlp", "workers": args.workers, "steps": args.steps}
+            # allreduce is deterministic: one run per seed.
+            ref = [train({**common, **REFERENCE, "seed": s}, f"{root}/{n}-{s}")[0] for s in args.seeds]
+            n += 1
+            ref_acc = sum(ref) / len(ref)
+            print(row(dataset, "allreduce ring", "sgd lr .1 m .9 (sync)", ref, ref_acc), flush=True)
+            for target in args.targets:
+                for label in args.candidates:
+                    accs = []
+                    for i, s in enumerate(runs):
+                        flat = {**common, **TARGETS[target], **CANDIDATES[label], "seed": s}
+                        try:
+                            accs.append(train(flat, f"{root}/{n}-{i}")[0])
+                        except Exception as exc:  # a failed run is a row, not the end of the sweep
+                            print(f"<!-- {target} / {label}: {exc} -->", file=sys.stderr)
+                            accs.append(0.0)
+                    n += 1
+                    print(row(dataset, target, label, accs, ref_acc), flush=True)
+    finally:
+        workdir.cleanup()
     return 0
 
 
