@@ -8,6 +8,7 @@ import re
 import pytest
 
 from plexus.bench import machine_line, reference_op_ms
+from plexus.errors import ConfigError
 from plexus.cli import main
 
 
@@ -28,6 +29,13 @@ def test_bad_input_is_one_line_and_exit_2(capsys, args, needle):
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and needle in lines[0], err
     assert out == ""  # no table header, no machine line
+
+
+def test_a_factory_dataset_passes_the_check_the_matrix_and_a_job_share():
+    from plexus.train.data import check_dataset
+    check_dataset("mypkg.data:make")  # loaded when the job runs, as with --dataset
+    with pytest.raises(ConfigError, match="pass --datasets with one of digits"):
+        check_dataset("nope", "--datasets")
 
 
 def test_machine_line_gives_the_reference_op_before_and_after_alone_and_on_every_core():

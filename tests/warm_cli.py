@@ -331,7 +331,6 @@ def _command(request: dict, fds: list[int], sock: socket.socket, base_path: list
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        import tempfile
         tempfile.tempdir = None  # read from TMPDIR again, as a fresh interpreter would
         extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         sys.path[:] = [request["cwd"], *extra, *[p for p in base_path if p not in extra]]

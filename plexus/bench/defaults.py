@@ -110,14 +110,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from plexus.errors import ConfigError
-    from plexus.train.data import KNOWN_DATASETS
+    from plexus.train.data import check_dataset
     if args.workers < 1:
         raise ConfigError(f"--workers must be at least 1, got {args.workers}: pass --workers 4")
     if args.steps is not None and args.steps < 1:
         raise ConfigError(f"--steps must be at least 1, got {args.steps}: leave it out for each dataset's default")
-    unknown = [d for d in args.datasets if d not in KNOWN_DATASETS]
-    if unknown:
-        raise ConfigError(f"--datasets: unknown dataset {unknown[0]!r}: pass some of {', '.join(KNOWN_DATASETS)}")
+    for dataset in args.datasets:
+        check_dataset(dataset, "--datasets")
     labels = [label for label in MATRIX if args.only in label]
     if not labels:
         raise ConfigError(f"--only {args.only!r} matches no configuration: pass part of a label, e.g. --only ps")

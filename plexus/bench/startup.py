@@ -129,10 +129,9 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError(f"--repeats must be at least 1, got {args.repeats}: pass --repeats 3")
     if min(args.workers) < 1:
         raise ConfigError(f"--workers must be at least 1, got {min(args.workers)}: pass --workers 1,2,4")
-    from plexus.strategies import STRATEGIES
-    unknown = [s for s in args.strategies if s not in STRATEGIES]
-    if unknown:
-        raise ConfigError(f"--strategies: unknown strategy {unknown[0]!r}: pass some of {', '.join(STRATEGIES)}")
+    from plexus.config.applies import check_strategy
+    for strategy in args.strategies:
+        check_strategy(strategy)
     cases = [(s, p) for s in args.strategies for p in args.workers]
     imports: list[float] = []
     runs: dict[tuple[str, int], list[Timing]] = {case: [] for case in cases}

@@ -43,7 +43,7 @@ import torch
 from plexus.config import DataConfig
 from plexus.errors import ConfigError
 
-__all__ = ["Dataset", "load_dataset", "KNOWN_DATASETS"]
+__all__ = ["Dataset", "load_dataset", "check_dataset", "KNOWN_DATASETS"]
 
 KNOWN_DATASETS: tuple[str, ...] = ("digits", "mnist1d", "teacher", "text", "sparse", "mnist", "cifar10")
 
@@ -130,16 +130,21 @@ class Dataset:
 def load_dataset(cfg: DataConfig, seed: int = 0) -> Dataset:
     """Load or generate ``cfg.dataset``; the same ``(cfg, seed)`` gives the same tensors."""
     name = cfg.dataset
+    check_dataset(name)
     if ":" in name:
         return _from_factory(cfg, seed)
     loaders: dict[str, Callable[[DataConfig, int], Dataset]] = {
         "digits": _digits, "mnist1d": _mnist1d, "teacher": _teacher, "text": _text,
         "sparse": _sparse, "mnist": _mnist, "cifar10": _cifar10,
     }
-    if name not in loaders:
-        raise ConfigError(f"unknown dataset {name!r}: pass --dataset with one of {', '.join(KNOWN_DATASETS)}, "
-                          f"or a factory as 'pkg.module:function'")
     return loaders[name](cfg, seed)
+
+
+def check_dataset(name: str, flag: str = "--dataset") -> None:
+    """ConfigError unless ``name`` is a built-in dataset or a factory (``pkg.module:function``)."""
+    if ":" not in name and name not in KNOWN_DATASETS:
+        raise ConfigError(f"unknown dataset {name!r}: pass {flag} with one of {', '.join(KNOWN_DATASETS)}, "
+                          f"or a factory as 'pkg.module:function'")
 
 
 # ---------------------------------------------------------------------------------------
