@@ -55,11 +55,7 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in SETTINGS}
     for _ in range(args.rounds):
         for name, options in SETTINGS.items():
-            env = {k: v for k, v in os.environ.items() if k != "RES_OPTIONS"}
-            if options is None and "RES_OPTIONS" in os.environ:
-                env["RES_OPTIONS"] = os.environ["RES_OPTIONS"]
-            elif options is not None:
-                env["RES_OPTIONS"] = options
+            env = {**os.environ, **({} if options is None else {"RES_OPTIONS": options})}
             children = [subprocess.Popen([sys.executable, __file__, "--child", str(store.port),
                                           "--connections", str(args.connections)],
                                          env=env, stdout=subprocess.PIPE, text=True)
