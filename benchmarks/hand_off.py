@@ -6,25 +6,39 @@ beside the floor: the copy into the ring and the token's write alone. Then a 102
 Linear's three products at the same rows, one thread: the forward (``F.linear``, x W^T),
 B's input gradient (dY W) and W's weight gradient added into an accumulator (dY^T X).
 
-    python benchmarks/hand_off.py              # about 30 seconds
+    python benchmarks/hand_off.py              # about 40 seconds
 
 Both ends live in this process (two Links over one store), so no process wakes another:
 what is timed is the work of each call. Prints two markdown tables, medians of 500 after
 100 to warm up (200 after 20 for the products).
+
+A third table times a hand-off between two processes, as a pipeline makes one: the sender
+idles 2 ms (a stage's op, its core free), sends a 32 x 32 float32 micro-batch, and the
+receiver, waiting for it all along, notes when its receive returns; the median and 90th
+percentile of that delay over 250 hand-offs, once with receives that sleep in ``poll()``
+until the message comes and once with receives that poll the link first (``--spin on``,
+``shm_channel.set_spin``). The difference is the time a sleeping receiver takes to wake.
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
+import datetime as dt
+import multiprocessing as mp
 import os
 import statistics
 import time
 
 import torch
+import torch.distributed as dist
 
-from plexus.cluster.group import link_pair
+from plexus.cluster.group import Link, link_pair
+from plexus.cluster.shm_channel import set_spin
+from plexus.cluster.traffic import Traffic
+from plexus.train.runner import SPIN_SECONDS
 
 WIDTH = 1024
+HAND_OFFS = 300
 
 
 def _median_us(samples: list[float]) -> float:
@@ -84,6 +98,54 @@ def main() -> None:
         bw = _time_ms(lambda: torch.mm(dy, weight))
         w = _time_ms(lambda: acc.addmm_(dy.t(), x))
         print(f"| {rows} | {f:.3f} | {bw:.3f} | {w:.3f} | {f / bw:.2f} |", flush=True)
+    print()
+    print("| receive waits by | hand-off median us | p90 us |")
+    print("|---|---:|---:|")
+    for label, spin in (("sleeping in poll()", 0.0), ("polling the link first (--spin on)", SPIN_SECONDS)):
+        got = _hand_offs(spin)
+        print(f"| {label} | {statistics.median(got):.0f} | {got[int(0.9 * len(got))]:.0f} |", flush=True)
+
+
+def _receiver(port: int, spin: float, delays) -> None:
+    """The receiving process of ``_hand_offs``: each delay, in us, from the sender's stamp
+    before its send to the end of the receive here."""
+    torch.set_num_threads(1)
+    set_spin(spin)
+    store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=dt.timedelta(seconds=60))
+    link = Link(store, "b", "a", traffic=Traffic(), timeout=60, transport="shm")
+    value, stamp, got = torch.empty(32, 32), torch.empty(1, dtype=torch.float64), []
+    for _ in range(HAND_OFFS):
+        link.recv_from_peer(value, 1)
+        arrived = time.time()
+        link.recv_from_peer(stamp, 2)
+        got.append(1e6 * (arrived - stamp.item()))
+        link.send_to_peer(stamp, 3)  # the next op starts after this one's hand-off
+    delays.put(got)
+    link.close()
+
+
+def _hand_offs(spin: float) -> list[float]:
+    """One-way hand-off delays, in us, between this process and a receiver (``_receiver``)
+    that waits with ``set_spin(spin)``."""
+    set_spin(spin)
+    store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=dt.timedelta(seconds=60), wait_for_workers=False)
+    context = mp.get_context("spawn")
+    delays = context.Queue()
+    child = context.Process(target=_receiver, args=(store.port, spin, delays))
+    child.start()
+    link = Link(store, "a", "b", traffic=Traffic(), timeout=60, transport="shm")
+    value, stamp = torch.randn(32, 32), torch.empty(1, dtype=torch.float64)
+    for _ in range(HAND_OFFS):
+        time.sleep(0.002)
+        stamp[0] = time.time()
+        link.send_to_peer(value, 1)
+        link.send_to_peer(stamp, 2)
+        link.recv_from_peer(stamp, 3)
+    got = delays.get(timeout=60)
+    child.join(timeout=30)
+    link.close()
+    set_spin(0.0)
+    return sorted(got[50:])
 
 
 def _time_ms(op) -> float:

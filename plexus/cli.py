@@ -103,6 +103,9 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(g, "transport", choices=list(TRANSPORTS),
           help="point-to-point messages, all-reduce algorithms' too: auto (shared memory on one machine), "
                "socket or shm")
+    _flag(g, "spin", choices=["auto", "on", "off"],
+          help="shared-memory receives poll up to 10 ms before sleeping: on, off, or auto (where this machine "
+               "has two cores per torch thread of the job)")
     _flag(g, "device", choices=["auto", "cpu", "cuda"], help="compute device")
     _flag(g, "place", choices=["workers-first", "roles-first"],
           help="global ranks: workers first (servers on the last node under torchrun) or roles first")

@@ -16,9 +16,11 @@ import torch.distributed as dist
 from plexus.cluster import shm
 from plexus.cluster.group import Link, link_pair
 from plexus.cluster.shm import INLINE, TOKEN_BYTES, Inbox, Outbox, Token
+from plexus.cluster.shm_channel import set_spin
 from plexus.cluster.spawn import spawn
 from plexus.cluster.traffic import Traffic
 from plexus.errors import CommTimeout, ConfigError, PeerLost, ProtocolError
+from plexus.train.runner import spin_seconds
 
 
 @pytest.fixture
@@ -215,7 +217,23 @@ def test_a_closed_peer_is_lost_at_once_and_a_silent_one_times_out(shm_dir):
     b.close()
 
 
-def test_closing_a_link_ends_a_wait_on_it_in_another_thread(shm_dir):
+@pytest.fixture
+def spinning():
+    """Receives poll their FIFO for up to 30 s (--spin on polls 10 ms) before poll()."""
+    set_spin(30.0)
+    yield
+    set_spin(0.0)
+
+
+@pytest.fixture(params=[0.0, 30.0], ids=["sleeping", "spinning"])
+def either_wait(request):
+    """Receives that sleep in poll() at once, then receives that poll their FIFO first."""
+    set_spin(request.param)
+    yield
+    set_spin(0.0)
+
+
+def test_closing_a_link_ends_a_wait_on_it_in_another_thread(shm_dir, either_wait):
     a, b = link_pair("shm")
     errors: list[BaseException] = []
 
@@ -227,13 +245,56 @@ def test_closing_a_link_ends_a_wait_on_it_in_another_thread(shm_dir):
 
     waiter = threading.Thread(target=wait)
     waiter.start()
-    time.sleep(0.2)  # the waiter is inside poll()
+    time.sleep(0.2)  # the waiter is inside poll(), or polls the FIFO busily
     started = time.monotonic()
     b.close()
     waiter.join(timeout=10)
     assert not waiter.is_alive() and time.monotonic() - started < 5
     assert len(errors) == 1 and "closed here" in str(errors[0])
     a.close()
+
+
+class _NoSleep:
+    """A poll object that fails the test if a receive sleeps in it."""
+
+    def register(self, *args) -> None:
+        pass
+
+    def poll(self, *args):
+        raise AssertionError("a spinning receive slept in poll()")
+
+
+def test_a_spinning_receive_reads_its_message_without_sleeping_in_poll(shm_dir, spinning):
+    a, b = link_pair("shm")
+    b.shm._poll_in = _NoSleep()
+    timer = threading.Timer(0.05, lambda: a.send_to_peer(torch.full((1000,), 7.0)))
+    timer.start()
+    got = torch.empty(1000)
+    b.recv_from_peer(got, timeout=10)
+    timer.join()
+    assert float(got[0]) == 7.0
+    a.close(), b.close()
+
+
+def test_a_spinning_receive_keeps_its_timeout(shm_dir, spinning):
+    a, b = link_pair("shm")
+    started = time.monotonic()
+    with pytest.raises(CommTimeout, match="a did not answer within 0.2 s"):
+        b.recv_from_peer(torch.empty(4), timeout=0.2)
+    assert time.monotonic() - started < 5  # the spin stops at the receive's deadline
+    a.close(), b.close()
+
+
+@pytest.mark.parametrize("spin, here, threads, cores, seconds", [
+    ("on", None, 0, 1, 0.01), ("off", 2, 1, 64, 0.0),
+    ("auto", 3, 1, 8, 0.01),    # a core to poll on beside every computing one
+    ("auto", 2, 1, 2, 0.0),     # two processes, two cores (which may share one's speed)
+    ("auto", 2, 2, 6, 0.0),     # four threads want eight cores
+    ("auto", None, 1, 64, 0.0),  # not known how many processes run here
+    ("auto", 2, 0, 64, 0.0),    # torch's own threads: as many as the cores
+])
+def test_spin_auto_polls_only_where_a_core_is_free_for_it(spin, here, threads, cores, seconds):
+    assert spin_seconds(spin, here, threads, cores) == seconds
 
 
 def test_closing_a_link_twice_touches_no_other_file(shm_dir, tmp_path):

@@ -23,7 +23,21 @@ from plexus.cluster.shm import INLINE, TOKEN_BYTES, Inbox, Outbox, Token
 from plexus.config import NetSpec
 from plexus.errors import CommError, CommTimeout, PeerLost, ProtocolError
 
-__all__ = ["Channel", "Pending"]
+__all__ = ["Channel", "Pending", "set_spin"]
+
+# Seconds a receive polls its FIFO before it sleeps in poll() (``set_spin``; --spin).
+_spin = 0.0
+
+
+def set_spin(seconds: float) -> None:
+    """How long each receive over shared memory in this process polls its FIFO, yielding
+    the core between reads, before it sleeps in ``poll()``: 0 sleeps at once. A token that
+    comes while it polls is read without the wake-up from ``poll()`` (tens to hundreds of
+    microseconds once the core has idled, with the caches gone cold meanwhile), on the
+    path of every pipeline hand-off; the price is the core it polls on
+    (``train.runner.spin_seconds`` decides for --spin)."""
+    global _spin
+    _spin = seconds
 
 
 class _Receive:
@@ -174,6 +188,8 @@ class Channel:
         """One token from the FIFO, or None if none came within ``timeout`` (without the lock)."""
         if len(self._partial) < TOKEN_BYTES:
             chunk = self._fifo()  # a token already there is read at once: poll() only to wait for one
+            if chunk is None and _spin > 0:
+                chunk = self._poll_busily(min(_spin, timeout))
             if chunk is None:
                 if self._broken is not None:
                     return None
@@ -191,6 +207,18 @@ class Channel:
             return None
         raw, self._partial = self._partial[:TOKEN_BYTES], self._partial[TOKEN_BYTES:]
         return raw
+
+    def _poll_busily(self, seconds: float) -> bytes | None:
+        """What the FIFO holds within ``seconds`` of reading it again and again (``set_spin``),
+        giving the core to any other thread that wants it between reads; None when nothing
+        came, or the link broke or was closed here (``_broken`` says so)."""
+        until = time.monotonic() + seconds
+        while self._broken is None and time.monotonic() < until:
+            os.sched_yield()
+            chunk = self._fifo()
+            if chunk is not None:
+                return chunk
+        return None
 
     def _fifo(self) -> bytes | None:
         """What the FIFO holds now (b"" once the peer's end is closed), or None when it

@@ -403,6 +403,11 @@ class ClusterConfig:
     # auto uses shared memory between processes on one machine and gloo's sockets
     # otherwise; socket always uses the sockets; shm requires shared memory.
     transport: Literal["auto", "socket", "shm"] = "auto"
+    # How a receive over shared memory waits: on polls its link for up to 10 ms before it
+    # sleeps, sparing each hand-off the wake-up, at the price of the core it polls on; auto
+    # does so where this machine has two cores for every torch thread of the job here
+    # (train.runner.spin_seconds); off never does.
+    spin: Literal["auto", "on", "off"] = "auto"
     # Global ranks of the role plan (train/plan.py): workers first, then the strategy's other
     # roles (servers, aggregators, coordinator), or those roles first. torchrun numbers ranks
     # node by node, so this says which node the servers land on.
@@ -423,6 +428,8 @@ class ClusterConfig:
                  "pass --device auto")
         _require(self.transport in TRANSPORTS, "transport", "must be auto, socket or shm",
                  self.transport, "pass --transport auto")
+        _require(self.spin in ("auto", "on", "off"), "spin", "must be auto, on or off", self.spin,
+                 "pass --spin auto")
         _require(self.threads >= 0, "threads", "must be non-negative", self.threads, "pass --threads 1")
         for spec in (*self.slow, *self.kill):
             if spec.role != "worker":

@@ -25,6 +25,7 @@ from torch import nn
 from plexus.cluster.emulation import Emulator
 from plexus.cluster.liveness import exited_key
 from plexus.cluster.rendezvous import ProcessInfo, store_barrier, store_get_json, store_set_json, wait_keys
+from plexus.cluster.shm_channel import set_spin
 from plexus.cluster.traffic import Traffic
 from plexus.config import JobConfig
 from plexus.config.defaults import is_asynchronous
@@ -42,7 +43,12 @@ from plexus.train.progress import STEPS_KEY
 from plexus.train.timing import StepTimer
 
 __all__ = ["worker_main", "role_main", "NonFiniteLoss", "save_dataset", "load_saved_dataset", "resolve_device",
-           "choose_backend"]
+           "choose_backend", "spin_seconds", "start_process"]
+
+# How long a shared-memory receive polls before it sleeps under --spin on (spin_seconds):
+# longer than the waits of a pipeline's hand-offs and of most messages on one machine, short
+# enough that a process waiting for a slow peer soon stops taking a core.
+SPIN_SECONDS = 0.01
 
 logger = logging.getLogger(__name__)
 
@@ -81,10 +87,41 @@ def choose_backend(backend: str, cuda: bool, gpus: int, processes_here: int | No
     return "nccl" if cuda and processes_here is not None and processes_here <= gpus else "gloo"
 
 
+def spin_seconds(spin: str, processes_here: int | None, threads: int, cores: int) -> float:
+    """How long a receive over shared memory polls before it sleeps (``shm_channel.set_spin``):
+    --spin on, 10 ms; off, 0; auto, 10 ms where the ``cores`` this process may run on are at
+    least twice the torch threads of the job on this machine (``processes_here`` x
+    ``threads``), so that a core that polls is one nobody computes on, even where two cores
+    share one's speed (hyper-threads, or the two vCPUs of the machine in README's Measured
+    results), and 0 where they are fewer, or the count of processes here or their threads
+    (``threads`` 0: torch's own) is not known."""
+    if spin != "auto":
+        return SPIN_SECONDS if spin == "on" else 0.0
+    known = processes_here is not None and threads > 0
+    return SPIN_SECONDS if known and cores >= 2 * processes_here * threads else 0.0
+
+
+def start_process(cfg: JobConfig, local_rank: int) -> tuple[torch.device, str]:
+    """A job process's set-up before it builds anything: its torch threads (--threads), how
+    its shared-memory receives wait (--spin, ``spin_seconds``), and its (device, backend)
+    (``resolve_device``)."""
+    if cfg.cluster.threads:
+        torch.set_num_threads(cfg.cluster.threads)
+    set_spin(spin_seconds(cfg.cluster.spin, _processes_here(), cfg.cluster.threads,
+                          len(os.sched_getaffinity(0))))
+    return resolve_device(cfg, local_rank)
+
+
+def _processes_here() -> int | None:
+    """How many processes the job runs on this machine: our launcher's count, or torchrun's
+    ``LOCAL_WORLD_SIZE``; None when neither says."""
+    here = os.environ.get("PLEXUS_PROCESSES_HERE") or os.environ.get("LOCAL_WORLD_SIZE")
+    return int(here) if here else None
+
+
 def resolve_device(cfg: JobConfig, local_rank: int) -> tuple[torch.device, str]:
     """(device, backend): CUDA where asked for or present, else CPU; the backend as
-    ``choose_backend`` says, from the processes on this machine: our launcher's count, or
-    torchrun's ``LOCAL_WORLD_SIZE``."""
+    ``choose_backend`` says, from the processes on this machine (``_processes_here``)."""
     want = cfg.cluster.device
     use_cuda = want == "cuda" or (want == "auto" and torch.cuda.is_available())
     gpus = 0
@@ -97,8 +134,7 @@ def resolve_device(cfg: JobConfig, local_rank: int) -> tuple[torch.device, str]:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    here = os.environ.get("PLEXUS_PROCESSES_HERE") or os.environ.get("LOCAL_WORLD_SIZE")
-    return device, choose_backend(cfg.cluster.backend, use_cuda, gpus, int(here) if here else None)
+    return device, choose_backend(cfg.cluster.backend, use_cuda, gpus, _processes_here())
 
 
 def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
@@ -106,9 +142,7 @@ def worker_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None,
     """Train as worker ``info.rank``; leaves its final record (and, on the process that
     evaluates, ``stats/eval``) in the store for the summary. The strategy is driven by its
     verbs alone (``strategies/base.py``): setup, feed, step, snapshot, agree, finish, close."""
-    if cfg.cluster.threads:
-        torch.set_num_threads(cfg.cluster.threads)
-    device, backend = resolve_device(cfg, info.local_rank)
+    device, backend = start_process(cfg, info.local_rank)
     data = data if data is not None else load_dataset(cfg.data, cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
     model = build_model(cfg.model, data).to(device)
@@ -340,9 +374,7 @@ def record_final_evaluation(model: nn.Module, data: Dataset, device: torch.devic
 
 def role_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None) -> None:
     """Run a non-worker process (server, aggregator) of the job's strategy."""
-    if cfg.cluster.threads:
-        torch.set_num_threads(cfg.cluster.threads)
-    device, backend = resolve_device(cfg, info.local_rank)
+    device, backend = start_process(cfg, info.local_rank)
     log = MetricsLog(run_dir)
     ctx = RoleContext(info=info, store=store, cfg=cfg, traffic=Traffic(),
                       emulator=Emulator(cfg.cluster, info.role, info.rank), device=device, backend=backend,

@@ -52,7 +52,7 @@ from plexus.train.health import Health, hint
 from plexus.train.metrics import MetricsLog
 from plexus.train.models import build_model
 from plexus.train.progress import STEPS_KEY
-from plexus.train.runner import NonFiniteLoss, record_final_evaluation, resolve_device
+from plexus.train.runner import NonFiniteLoss, record_final_evaluation, start_process
 from plexus.train.plan import stage_position
 from plexus.train.stage_groups import group_config, group_of, group_store
 
@@ -94,13 +94,11 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
     the loss and, on replica 0, watches its health, evaluates snapshots of the whole
     model (every ``--eval-every`` steps, gathered from the stages) and decides when a time
     limit or target accuracy ends the run; it writes the replica's records."""
-    if cfg.cluster.threads:
-        torch.set_num_threads(cfg.cluster.threads)
     stages, shards, replicas = cfg.parallel.stages, cfg.parallel.tensor_parallel, cfg.cluster.workers
     per_replica = cfg.parallel.per_replica
     i = info.rank  # this process's stage role rank
     r, k, t = stage_position(i, stages, shards)
-    device, backend = resolve_device(cfg, info.local_rank)
+    device, backend = start_process(cfg, info.local_rank)
     data = data if data is not None else load_dataset(cfg.data, cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
     model = build_model(cfg.model, data)  # the same initial model as a one-process run
