@@ -7,12 +7,14 @@
 #     without a GPU, skips;
 #   - the pipeline bubble with a core for every stage (benchmarks/pipeline_bubble.py over
 #     STAGES, default 2,3, the median of REPEAT runs a row, default 3), pinned to cores 0-7;
+#     zb-h1 again with --spin off, and the ops padded to 2 ms (--op-ms) both ways;
 #   - what one hand-off (a send, a receive) costs there (benchmarks/hand_off.py);
 #   - with BENCH=1: `plexus bench pipeline` beside torch.distributed.pipelining, pinned too.
 # Files land in $OUT (or /tmp/device-check): machine.txt, demo.log, cuda.log, bubble.md,
-# bubble.log, hand-off.md and, with BENCH=1, bench-pipeline.md. On the H200 machine (2026-11-26) the
-# CUDA path took about 1.5 minutes, STAGES=3 under 3 and STAGES=2 about 4 (each run of a
-# row starts its processes afresh), the bench about 4: keep one call under its 10 minutes.
+# spin-off.md, padded.md, bubble.log, hand-off.md and, with BENCH=1, bench-pipeline.md. On
+# the H200 machine (2026-11-26) the CUDA path took about 1.5 minutes, STAGES=3 under 3 and
+# STAGES=2 about 4 (each run of a row starts its processes afresh), the bench about 4; the
+# spin-off and padded rows add about 2: keep one call under its 10 minutes.
 #
 #     OUT=/tmp/x bash benchmarks/device_check.sh
 set -u
@@ -39,14 +41,22 @@ cuda_path
 pin 0-7 timeout 420 $PY benchmarks/pipeline_bubble.py --stages "${STAGES:-2,3}" \
   --schedules gpipe,1f1b,zb-h1,interleaved --repeat "${REPEAT:-3}" > "$OUT/bubble.md" 2> "$OUT/bubble.log"
 echo "bubble exit $?" >> "$OUT/bubble.log"
-# What one hand-off costs on this machine's cores, beside a Linear's products (about 30 s).
+# --spin auto polls there (8 cores for at most 4 stage processes): zb-h1 again with
+# receives that sleep, for the difference (about a minute at STAGES=3); then every op padded
+# to 2 ms on a 32-wide model, both ways: the executor's own gap on that machine (about one).
+pin 0-7 timeout 150 $PY benchmarks/pipeline_bubble.py --stages "${STAGES:-2,3}" --schedules zb-h1 --spin off \
+  --repeat "${REPEAT:-3}" > "$OUT/spin-off.md" 2>> "$OUT/bubble.log"
+pin 0-7 timeout 120 $PY benchmarks/pipeline_bubble.py --stages "${STAGES:-2,3}" --schedules 1f1b,zb-h1 --hidden 32 \
+  --op-ms 2,2,2 --spin off,on > "$OUT/padded.md" 2>> "$OUT/bubble.log"
+# What one hand-off costs on this machine's cores, beside a Linear's products, and between
+# two processes with receives that sleep or poll (about 40 s).
 pin 0-1 timeout 90 $PY benchmarks/hand_off.py > "$OUT/hand-off.md" 2>&1
 if [ "${BENCH:-0}" = 1 ]; then
   pin 0-7 timeout 300 $PY -m plexus.cli bench pipeline --stages "${STAGES:-2,3}" --microbatches 4,8 \
     --schedules gpipe,1f1b --repeats 2 > "$OUT/bench-pipeline.md" 2>&1
   echo "bench exit $?" >> "$OUT/bench-pipeline.md"
 fi
-cat "$OUT/machine.txt" "$OUT/bubble.md" "$OUT/hand-off.md"
+cat "$OUT/machine.txt" "$OUT/bubble.md" "$OUT/spin-off.md" "$OUT/padded.md" "$OUT/hand-off.md"
 tail -3 "$OUT/demo.log"
 grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/cuda.log"
 [ -f "$OUT/bench-pipeline.md" ] && tail -15 "$OUT/bench-pipeline.md"

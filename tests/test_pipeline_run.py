@@ -83,6 +83,21 @@ def test_an_interleaved_pipeline_equals_one_process(stages, microbatches, chunks
     assert len({(row["src"], row["dst"]) for row in summary["stage_traffic"]}) >= 2 * (stages - 1)
 
 
+@pytest.mark.slow
+@pytest.mark.parallel
+def test_padded_ops_and_spinning_receives_leave_the_model_alone(one_process, tmp_path, monkeypatch):
+    """PLEXUS_PIPELINE_OP_MS (benchmarks/pipeline_bubble.py --op-ms) makes each op last at
+    least its padding, and --spin on makes every receive poll before it sleeps; neither
+    changes what is computed."""
+    monkeypatch.setenv("PLEXUS_PIPELINE_OP_MS", "3,2,1")
+    summary, got = _train(tmp_path, "padded", model="deep-mlp", stages=2, microbatches=4, schedule="zb-h1",
+                          spin="on")
+    assert_same_model(got, one_process)
+    for stage in summary["stages"]:  # mean seconds of a forward, a B and a W
+        assert stage["forward_op_seconds"] >= 0.003 and stage["backward_op_seconds"] >= 0.002
+        assert stage["weight_op_seconds"] >= 0.001
+
+
 @pytest.mark.parametrize("args, needles", [
     (["--stages", "2", "--microbatches", "3"], ("--microbatches 3 must divide each replica's batch",)),
     (["--stages", "4", "--microbatches", "2", "--schedule", "interleaved", "--chunks", "2"],

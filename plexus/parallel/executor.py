@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import resource
 import statistics
 import time
@@ -225,6 +226,24 @@ def stage_examples(programs: list[StageProgram], x: torch.Tensor) -> list[tuple[
             examples.append(args)
             values.update(zip(program.outputs, program.module(*args)))
     return examples
+
+
+def op_padding(raw: str) -> dict[str, float]:
+    """``PLEXUS_PIPELINE_OP_MS=F,B,W``, an instrument (``benchmarks/pipeline_bubble.py
+    --op-ms``): each op of a pipeline lasts at least F ms for a forward, B for
+    an input gradient and W for a weight gradient (a backward that computes both before its
+    sends, B + W), its core asleep for the rest. Ops of equal, known cost on any machine,
+    on cores that need not be free: what the executor and its hand-offs add to a schedule's
+    closed form. The computation is unchanged. Seconds by op kind; {} when unset."""
+    if not raw:
+        return {}
+    try:
+        values = [float(v) for v in raw.split(",")]
+    except ValueError:
+        values = []
+    if len(values) != 3 or not all(0 <= v < 1e4 for v in values):
+        raise ConfigError(f"PLEXUS_PIPELINE_OP_MS must be three milliseconds F,B,W such as 4,4,4, got {raw!r}")
+    return {kind: v / 1000 for kind, v in zip("FBW", values)}
 
 
 def stage_name(k: int) -> str:
@@ -406,6 +425,7 @@ class StageExecutor:
         self.op_seconds = {"forward": [0.0, 0], "backward": [0.0, 0], "weight": [0.0, 0]}
         self.after_send_s = 0.0  # the backwards' seconds after their sends (adding into the accumulators)
         self.send_s = 0.0  # seconds starting sends (the transport's copy of each message): part of idle
+        self._pad = op_padding(os.environ.get("PLEXUS_PIPELINE_OP_MS", ""))
         self.batch = cfg.run.batch_size // replicas  # this replica's slice of the global batch
         self.k = k = program.index
         self.step_runner = StageStep(program)
@@ -630,7 +650,7 @@ class StageExecutor:
                 received = self._receive_values(batch, m, chunk)
                 began = time.time()
                 mb = self._forward(model, received, xs[m], ys[m], grad=not self.recompute, program=chunk)
-                self._ops.append(("forward", began, time.time()))
+                self._ops.append(("forward", began, self._pad_op(began, "F")))
                 for t in chunk.sends:
                     self._send(t.dst % self.stages, self._tag(t, m, False), mb.values[t.producer])
                 if mb.loss is not None:
@@ -644,7 +664,7 @@ class StageExecutor:
                 began = time.time()
                 _add_gradients(grads, mb.split.weight_gradients(into=grads), mb.split.seeds)
                 del mb  # its graph, kept for W, goes now, before the next op allocates its own
-                self._ops.append(("weight", began, time.time()))
+                self._ops.append(("weight", began, self._pad_op(began, "W")))
                 continue
             mb = live[key] if split else live.pop(key)
             wanted = self._receive_value_gradients(mb.values, m, chunk)
@@ -669,6 +689,17 @@ class StageExecutor:
             # (zb-h1's stays in ``live`` until its W op).
             del mb, weights, tensors, seeds
         return self._end_pipeline(start, waited, grads, total, params)
+
+    def _pad_op(self, began: float, *kinds: str) -> float:
+        """The end of an op that began at ``began``: now, or under PLEXUS_PIPELINE_OP_MS
+        (``op_padding``) no sooner than ``began`` plus the padding of ``kinds``."""
+        until = began + sum(self._pad.get(kind, 0.0) for kind in kinds)
+        now = time.time()
+        if until - now > 0.0005:
+            time.sleep(until - now - 0.0003)
+        while now < until:  # the last fraction of a millisecond spun: a sleep overshoots it
+            now = time.time()
+        return now
 
     def _linear_backward(self, chunk: int, mb: "_Microbatch", tensors: list[torch.Tensor],
                          seeds: list[torch.Tensor], leaves: list[tuple[Transfer, torch.Tensor]],
@@ -753,7 +784,7 @@ class StageExecutor:
         against 3.8 ms for the backward itself (deep-mlp, hidden 1024, 32 samples), which
         the previous stage would otherwise spend idle at every micro-batch. The op's time
         counts both parts, not the sends between them."""
-        self._ops.append(("backward", began, time.time()))
+        self._ops.append(("backward", began, self._pad_op(began, "B", "W" if mine else "")))
         for (t, leaf), g in zip(leaves, got):
             self._send(t.src % self.stages, self._tag(t, tag, True), g if g is not None else torch.zeros_like(leaf))
         if mine or weights is not None:
@@ -763,7 +794,7 @@ class StageExecutor:
             else:
                 _add_gradients(grads, mine, seeds)
                 mine.clear()  # no reference outlives the op: the next backward reuses its memory
-            self._ops.append(("accumulate", added, time.time()))
+            self._ops.append(("accumulate", added, self._pad_op(added, "W" if weights is not None else "")))
 
     def feed(self, batch_at: Callable[[int], tuple[torch.Tensor, torch.Tensor]], steps: int) -> None:
         """Where an asynchronous pipeline reads its inputs, and how long the run is:
@@ -843,7 +874,7 @@ class StageExecutor:
                 received = self._receive_values(batch, tag)
                 began = time.time()
                 mb = self._forward(model, received, x, y, grad=True, weights=stash.weights(op.version))
-                self._ops.append(("forward", began, time.time()))
+                self._ops.append(("forward", began, self._pad_op(began, "F")))
                 sent = len(self._sends)
                 for t in p.sends:
                     self._send(t.dst, self._tag(t, tag, False), mb.values[t.producer])
