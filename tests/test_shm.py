@@ -49,6 +49,22 @@ def recv(inbox: Inbox, token: Token, into: torch.Tensor) -> None:
     inbox.take(token, into)
 
 
+@pytest.fixture
+def spinning():
+    """Receives poll their FIFO for up to 30 s (--spin on polls 10 ms) before poll()."""
+    set_spin(30.0)
+    yield
+    set_spin(0.0)
+
+
+@pytest.fixture(params=[0.0, 30.0], ids=["sleeping", "spinning"])
+def either_wait(request):
+    """Receives that sleep in poll() at once, then receives that poll their FIFO first."""
+    set_spin(request.param)
+    yield
+    set_spin(0.0)
+
+
 def test_ring_reuses_space_behind_the_reader_and_wraps(shm_dir):
     out, inbox = pair(capacity=1024)
     msgs = [torch.full((64,), float(i)) for i in range(5)]  # 256 bytes each
@@ -187,7 +203,7 @@ def test_receives_match_by_tag_in_post_order_whenever_the_tokens_came(shm_dir):
     a.close(), b.close()
 
 
-def test_two_threads_receiving_on_one_link_each_get_their_own(shm_dir):
+def test_two_threads_receiving_on_one_link_each_get_their_own(shm_dir, either_wait):
     a, b = link_pair("shm")
     got: dict[int, float] = {}
 
@@ -215,22 +231,6 @@ def test_a_closed_peer_is_lost_at_once_and_a_silent_one_times_out(shm_dir):
     with pytest.raises(PeerLost, match="lost a"):
         b.recv_from_peer(torch.empty(4), timeout=30)
     b.close()
-
-
-@pytest.fixture
-def spinning():
-    """Receives poll their FIFO for up to 30 s (--spin on polls 10 ms) before poll()."""
-    set_spin(30.0)
-    yield
-    set_spin(0.0)
-
-
-@pytest.fixture(params=[0.0, 30.0], ids=["sleeping", "spinning"])
-def either_wait(request):
-    """Receives that sleep in poll() at once, then receives that poll their FIFO first."""
-    set_spin(request.param)
-    yield
-    set_spin(0.0)
 
 
 def test_closing_a_link_ends_a_wait_on_it_in_another_thread(shm_dir, either_wait):
@@ -264,6 +264,17 @@ class _NoSleep:
         raise AssertionError("a spinning receive slept in poll()")
 
 
+class _Counting:
+    """A link's poll object that notes, in ``slept``, ``index`` each time a receive sleeps in it."""
+
+    def __init__(self, inner, slept: list[int], index: int) -> None:
+        self.inner, self.slept, self.index = inner, slept, index
+
+    def poll(self, *args):
+        self.slept.append(self.index)
+        return self.inner.poll(*args)
+
+
 def test_a_spinning_receive_reads_its_message_without_sleeping_in_poll(shm_dir, spinning):
     a, b = link_pair("shm")
     b.shm._poll_in = _NoSleep()
@@ -274,6 +285,30 @@ def test_a_spinning_receive_reads_its_message_without_sleeping_in_poll(shm_dir, 
     timer.join()
     assert float(got[0]) == 7.0
     a.close(), b.close()
+
+
+def test_threads_waiting_on_two_links_at_once_take_turns_to_poll(shm_dir, spinning):
+    """One thread of a process polls at a time (a server's threads, one per worker, must
+    not all spin): the other sleeps in poll() and still gets its message."""
+    pairs = [link_pair("shm") for _ in range(2)]
+    slept: list[int] = []
+    for i, (_, b) in enumerate(pairs):
+        b.shm._poll_in = _Counting(b.shm._poll_in, slept, i)
+    got = [torch.empty(100) for _ in pairs]
+    threads = [threading.Thread(target=b.recv_from_peer, args=(into,), kwargs={"timeout": 30})
+               for (_, b), into in zip(pairs, got)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.1)  # both wait, one of them polling
+    for i, (a, _) in enumerate(pairs):
+        a.send_to_peer(torch.full((100,), float(i)))
+    for thread in threads:
+        thread.join(timeout=30)
+    assert not any(thread.is_alive() for thread in threads)
+    assert [float(g[0]) for g in got] == [0.0, 1.0]
+    assert len(set(slept)) == 1  # one receive slept in poll(), the other polled
+    for a, b in pairs:
+        a.close(), b.close()
 
 
 def test_a_spinning_receive_keeps_its_timeout(shm_dir, spinning):

@@ -25,8 +25,10 @@ from plexus.errors import CommError, CommTimeout, PeerLost, ProtocolError
 
 __all__ = ["Channel", "Pending", "set_spin"]
 
-# Seconds a receive polls its FIFO before it sleeps in poll() (``set_spin``; --spin).
+# Seconds a receive polls its FIFO before it sleeps in poll() (``set_spin``; --spin), and
+# the one thread of the process that may poll at a time (the others sleep at once).
 _spin = 0.0
+_spinner = threading.Lock()
 
 
 def set_spin(seconds: float) -> None:
@@ -35,7 +37,9 @@ def set_spin(seconds: float) -> None:
     comes while it polls is read without the wake-up from ``poll()`` (tens to hundreds of
     microseconds once the core has idled, with the caches gone cold meanwhile), on the
     path of every pipeline hand-off; the price is the core it polls on
-    (``train.runner.spin_seconds`` decides for --spin)."""
+    (``train.runner.spin_seconds`` decides for --spin). One thread of the process polls at
+    a time, and a receive that finds another polling sleeps at once: a server's threads,
+    one per worker, would otherwise take turns at the GIL with the one applying gradients."""
     global _spin
     _spin = seconds
 
@@ -188,8 +192,11 @@ class Channel:
         """One token from the FIFO, or None if none came within ``timeout`` (without the lock)."""
         if len(self._partial) < TOKEN_BYTES:
             chunk = self._fifo()  # a token already there is read at once: poll() only to wait for one
-            if chunk is None and _spin > 0:
-                chunk = self._poll_busily(min(_spin, timeout))
+            if chunk is None and _spin > 0 and _spinner.acquire(blocking=False):
+                try:
+                    chunk = self._poll_busily(min(_spin, timeout))
+                finally:
+                    _spinner.release()
             if chunk is None:
                 if self._broken is not None:
                     return None
