@@ -179,9 +179,10 @@ def test_a_backward_sends_its_input_gradient_before_it_adds_its_parameters_gradi
 
     class Stage:  # the attributes _send_back uses
         stages = 2
+        _pad_op = StageExecutor._pad_op
 
         def __init__(self) -> None:
-            self.sent, self._ops = [], []
+            self.sent, self._ops, self._pad = [], [], {}
 
         def _tag(self, transfer, microbatch, grad):
             return microbatch
