@@ -5,7 +5,6 @@ runs one.
 """
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from importlib.util import find_spec
@@ -70,8 +69,10 @@ def machine_line(before_ms: float) -> str:
     """One line saying how fast this machine was: ``reference_op_ms`` measured before a
     benchmark (``before_ms``) and now, after it, alone and with a copy on every core."""
     import torch
+
+    from plexus.train.progress import usable_cores
     # The cores this process may run on (taskset pins benchmarks to some), not the machine's.
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = usable_cores()
     return (f"machine: {cores} core{'s' if cores != 1 else ''}, torch {torch.__version__}; reference op "
             f"(32 x 1024 by 1024 x 1024, one thread) {before_ms:.2f} ms before the benchmark, "
             f"{reference_op_ms():.2f} ms after, {reference_op_ms(copies=cores):.2f} ms with one on each core at once")

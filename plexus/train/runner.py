@@ -39,7 +39,7 @@ from plexus.train.evaluation import Evaluation, SnapshotEvaluator, evaluate, los
 from plexus.train.feed import Feed
 from plexus.train.metrics import MetricsLog
 from plexus.train.models import build_model
-from plexus.train.progress import STEPS_KEY
+from plexus.train.progress import STEPS_KEY, usable_cores
 from plexus.train.timing import StepTimer
 
 __all__ = ["worker_main", "role_main", "NonFiniteLoss", "save_dataset", "load_saved_dataset", "resolve_device",
@@ -107,8 +107,7 @@ def start_process(cfg: JobConfig, local_rank: int) -> tuple[torch.device, str]:
     (``resolve_device``)."""
     if cfg.cluster.threads:
         torch.set_num_threads(cfg.cluster.threads)
-    set_spin(spin_seconds(cfg.cluster.spin, _processes_here(), cfg.cluster.threads,
-                          len(os.sched_getaffinity(0))))
+    set_spin(spin_seconds(cfg.cluster.spin, _processes_here(), cfg.cluster.threads, usable_cores()))
     return resolve_device(cfg, local_rank)
 
 
