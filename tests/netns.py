@@ -2,9 +2,10 @@
 
 ``hosts(n)`` makes a switch namespace holding a bridge, and n host namespaces, each with
 one veth into the switch and its own address (10.77.X.1 ... 10.77.X.n/24, X picked per
-use so concurrent uses do not meet). A command run with ``on_host`` also gets its own
-host name and a private ``/dev/shm`` (``unshare --uts --mount``), so plexus sees another
-machine: links between hosts take sockets, never shared memory. Everything is removed on
+use, never one this process has in use, so concurrent uses do not meet). A command run
+with ``on_host`` also gets its own host name and a private ``/dev/shm`` (``unshare --uts
+--mount``), so plexus sees another machine: links between hosts take sockets, never
+shared memory. Everything is removed on
 exit, also when the test fails; traffic stays inside the namespaces the test made.
 
 Needs root and iproute2; ``skip_reason()`` says why not where they are missing.
@@ -45,14 +46,23 @@ class Host:
 
 
 def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+    done = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: exit {done.returncode}: {done.stderr.strip()}")
+
+
+# Subnets (10.77.X) of this process's hosts that exist now. A module fixture's hosts outlive
+# the tests that make their own meanwhile, and the subnet names the namespaces too: a second
+# use of a live one failed with "File exists" (1 in 249 per use, by chance).
+_in_use: set[int] = set()
 
 
 @contextlib.contextmanager
 def hosts(count: int, rate: str | None = None) -> Iterator[list[Host]]:
     """``count`` hosts on one bridge; ``rate`` (tbf, e.g. ``100mbit``) shapes every host's
     link out of its namespace."""
-    net = random.randrange(1, 250)
+    net = random.choice([n for n in range(1, 250) if n not in _in_use])
+    _in_use.add(net)
     tag = f"plx{os.getpid() % 10000}{net}"
     switch = f"{tag}-sw"
     made: list[str] = []
@@ -85,6 +95,7 @@ def hosts(count: int, rate: str | None = None) -> Iterator[list[Host]]:
         for ns in reversed(made):
             # Processes left inside would keep nothing alive: the test kills its own first.
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        _in_use.discard(net)
 
 
 def on_host(host: Host, argv: Sequence[str], env: dict[str, str], **popen) -> subprocess.Popen:
