@@ -43,6 +43,7 @@ os.environ.setdefault("PLEXUS_NO_REPORT", "1")
 
 import plexus  # noqa: E402
 from plexus.bench import machine_line, reference_op_ms  # noqa: E402
+from plexus.config import SPIN_MODES  # noqa: E402
 from plexus.errors import ConfigError  # noqa: E402
 from plexus.parallel.executor import op_padding  # noqa: E402
 
@@ -80,7 +81,7 @@ def main() -> None:
                              "computing under them small")
     args = parser.parse_args()
     spins = [s for s in args.spin.split(",") if s]
-    if not spins or any(s not in ("auto", "on", "off") for s in spins):
+    if not spins or any(s not in SPIN_MODES for s in spins):
         parser.error(f"--spin takes auto, on or off, comma-separated; got {args.spin!r}")
     try:
         op_padding(args.op_ms)

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from plexus.config import PIPELINE_SCHEDULES, TRANSPORTS
+from plexus.config import PIPELINE_SCHEDULES, SPIN_MODES, TRANSPORTS
 
 if TYPE_CHECKING:
     from plexus.report.judging import Judged
@@ -103,7 +103,7 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(g, "transport", choices=list(TRANSPORTS),
           help="point-to-point messages, all-reduce algorithms' too: auto (shared memory on one machine), "
                "socket or shm")
-    _flag(g, "spin", choices=["auto", "on", "off"],
+    _flag(g, "spin", choices=list(SPIN_MODES),
           help="shared-memory receives poll up to 10 ms before sleeping: on, off, or auto (where this machine "
                "has two cores per torch thread of the job)")
     _flag(g, "device", choices=["auto", "cpu", "cuda"], help="compute device")

@@ -25,6 +25,7 @@ __all__ = [
     "KillSpec",
     "NetSpec",
     "TRANSPORTS",
+    "SPIN_MODES",
     "ClusterConfig",
     "StrategyConfig",
     "RunConfig",
@@ -39,6 +40,8 @@ __all__ = [
 
 # What may carry a point-to-point link (ClusterConfig.transport, cluster.group.Link).
 TRANSPORTS = ("auto", "socket", "shm")
+# How a shared-memory receive waits (ClusterConfig.spin, train.runner.spin_seconds).
+SPIN_MODES = ("auto", "on", "off")
 
 
 def _require(ok: bool, name: str, rule: str, value: Any, fix: str) -> None:
@@ -428,7 +431,7 @@ class ClusterConfig:
                  "pass --device auto")
         _require(self.transport in TRANSPORTS, "transport", "must be auto, socket or shm",
                  self.transport, "pass --transport auto")
-        _require(self.spin in ("auto", "on", "off"), "spin", "must be auto, on or off", self.spin,
+        _require(self.spin in SPIN_MODES, "spin", "must be auto, on or off", self.spin,
                  "pass --spin auto")
         _require(self.threads >= 0, "threads", "must be non-negative", self.threads, "pass --threads 1")
         for spec in (*self.slow, *self.kill):
