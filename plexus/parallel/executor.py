@@ -693,11 +693,16 @@ class StageExecutor:
     def _pad_op(self, began: float, *kinds: str) -> float:
         """The end of an op that began at ``began``: now, or under PLEXUS_PIPELINE_OP_MS
         (``op_padding``) no sooner than ``began`` plus the padding of ``kinds``."""
-        until = began + sum(self._pad.get(kind, 0.0) for kind in kinds)
+        if not self._pad:  # every op of every run but the instrument's
+            return time.time()
+        pad = sum(self._pad.get(kind, 0.0) for kind in kinds)
         now = time.time()
-        if until - now > 0.0005:
-            time.sleep(until - now - 0.0003)
-        while now < until:  # the last fraction of a millisecond spun: a sleep overshoots it
+        if pad - (now - began) > 0.0005:
+            time.sleep(pad - (now - began) - 0.0003)
+        # The last fraction of a millisecond spun (a sleep overshoots it), on the difference
+        # the op's record keeps: ``now >= began + pad`` can leave ``now - began`` a rounding
+        # (about 0.2 us at today's time.time()) short of ``pad``.
+        while now - began < pad:
             now = time.time()
         return now
 
