@@ -16,6 +16,7 @@ import torch.distributed as dist
 from plexus.cluster import shm
 from plexus.cluster.group import Link, link_pair
 from plexus.cluster.shm import INLINE, TOKEN_BYTES, Inbox, Outbox, Token
+from plexus.cluster import shm_channel
 from plexus.cluster.shm_channel import set_spin
 from plexus.cluster.spawn import spawn
 from plexus.cluster.traffic import Traffic
@@ -245,7 +246,7 @@ def test_closing_a_link_ends_a_wait_on_it_in_another_thread(shm_dir, either_wait
 
     waiter = threading.Thread(target=wait)
     waiter.start()
-    time.sleep(0.2)  # the waiter is inside poll(), or polls the FIFO busily
+    _until(lambda: b.shm._reading)  # the waiter reads the FIFO: inside poll(), or polling it busily
     started = time.monotonic()
     b.close()
     waiter.join(timeout=10)
@@ -257,32 +258,44 @@ def test_closing_a_link_ends_a_wait_on_it_in_another_thread(shm_dir, either_wait
 class _NoSleep:
     """A poll object that fails the test if a receive sleeps in it."""
 
-    def register(self, *args) -> None:
-        pass
-
     def poll(self, *args):
         raise AssertionError("a spinning receive slept in poll()")
 
 
 class _Counting:
-    """A link's poll object that notes, in ``slept``, ``index`` each time a receive sleeps in it."""
+    """A link's poll object that notes, in ``slept``, ``index`` each time a receive sleeps
+    in it, and sets ``entered``."""
 
-    def __init__(self, inner, slept: list[int], index: int) -> None:
-        self.inner, self.slept, self.index = inner, slept, index
+    def __init__(self, inner, slept: list[int], index: int, entered: threading.Event) -> None:
+        self.inner, self.slept, self.index, self.entered = inner, slept, index, entered
 
     def poll(self, *args):
         self.slept.append(self.index)
+        self.entered.set()
         return self.inner.poll(*args)
+
+
+def _until(condition, seconds: float = 10.0) -> None:
+    """Wait for ``condition()`` to hold, failing the test after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "the condition did not come"
+        time.sleep(0.001)
 
 
 def test_a_spinning_receive_reads_its_message_without_sleeping_in_poll(shm_dir, spinning):
     a, b = link_pair("shm")
     b.shm._poll_in = _NoSleep()
-    timer = threading.Timer(0.05, lambda: a.send_to_peer(torch.full((1000,), 7.0)))
-    timer.start()
+
+    def send_once_polling() -> None:  # the receive polls the FIFO by now (it holds the one spin)
+        _until(shm_channel._spinner.locked)
+        a.send_to_peer(torch.full((1000,), 7.0))
+
+    sender = threading.Thread(target=send_once_polling)
+    sender.start()
     got = torch.empty(1000)
     b.recv_from_peer(got, timeout=10)
-    timer.join()
+    sender.join()
     assert float(got[0]) == 7.0
     a.close(), b.close()
 
@@ -292,14 +305,15 @@ def test_threads_waiting_on_two_links_at_once_take_turns_to_poll(shm_dir, spinni
     not all spin): the other sleeps in poll() and still gets its message."""
     pairs = [link_pair("shm") for _ in range(2)]
     slept: list[int] = []
+    entered = threading.Event()
     for i, (_, b) in enumerate(pairs):
-        b.shm._poll_in = _Counting(b.shm._poll_in, slept, i)
+        b.shm._poll_in = _Counting(b.shm._poll_in, slept, i, entered)
     got = [torch.empty(100) for _ in pairs]
     threads = [threading.Thread(target=b.recv_from_peer, args=(into,), kwargs={"timeout": 30})
                for (_, b), into in zip(pairs, got)]
     for thread in threads:
         thread.start()
-    time.sleep(0.1)  # both wait, one of them polling
+    assert entered.wait(10)  # one receive sleeps in poll(), so the other holds the spin: both wait
     for i, (a, _) in enumerate(pairs):
         a.send_to_peer(torch.full((100,), float(i)))
     for thread in threads:
