@@ -500,7 +500,8 @@ def _print_partition(cfg) -> None:
     """``plexus train --stages K --print-partition``: the plan of plexus.parallel.partition
     for the configured model and dataset, at each replica's slice of the batch."""
     import torch
-    from plexus.parallel.partition import format_plan, plan_partitions, trace_model
+    from plexus.parallel.executor import make_plan
+    from plexus.parallel.partition import format_plan
     from plexus.strategies.base import make_optimizer
     from plexus.train.data import load_dataset
     from plexus.train.models import build_model
@@ -513,19 +514,16 @@ def _print_partition(cfg) -> None:
     threads = torch.get_num_threads()
     if cfg.cluster.threads:  # profile with the threads each stage's process will have
         torch.set_num_threads(cfg.cluster.threads)
-    try:
-        graph = trace_model(model, data.x_train[:batch], profile=cfg.parallel.partition == "time",
-                            optimizer=lambda params: make_optimizer(params, cfg.optim))
+    try:  # the plan the run makes: under time, priced on its own stage programs
+        graph, plan = make_plan(cfg, model, data.x_train[:batch],
+                                optimizer=lambda params: make_optimizer(params, cfg.optim))
     finally:
         torch.set_num_threads(threads)
-    # Optimizer state per parameter: momentum's buffer, Adam's two moments, Adagrad's sum.
-    optim = cfg.optim
-    slots = {"adam": 2, "adagrad": 1}.get(optim.optimizer, 1 if optim.momentum > 0 else 0)
-    plan = plan_partitions(graph, cfg.parallel.stages, cfg.parallel.partition,
-                           split_points=cfg.parallel.split_point_names, memory_cap=cfg.parallel.stage_memory_bytes,
-                           optimizer_slots=slots, bandwidth=cfg.cluster.net.bandwidth, latency=cfg.cluster.net.latency)
-    print(f"{cfg.model.model} on {cfg.data.dataset}: {plan.stages} stage{'s' * (plan.stages > 1)} by --partition "
-          f"{plan.method}, {len(graph.compute)} computing nodes, batch {batch} per replica")
+    stages, chunks = cfg.parallel.stages, cfg.parallel.chunks
+    what = f"{plan.stages} stage{'s' * (plan.stages > 1)}" if chunks == 1 else \
+        f"{plan.stages} model chunks ({stages} processes, process s running chunks s, {stages} + s, ...)"
+    print(f"{cfg.model.model} on {cfg.data.dataset}: {what} by --partition {plan.method}, "
+          f"{len(graph.compute)} computing nodes, batch {batch} per replica")
     print(format_plan(plan, graph))
     shards = cfg.parallel.tensor_parallel
     if shards > 1:  # each stage's layers split inside, as its T processes will hold them

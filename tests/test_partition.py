@@ -213,6 +213,38 @@ def test_time_method_profiles_and_respects_the_memory_cap(digits):
         plan_partitions(graph, 3, "uniform", memory_cap=tightest)
 
 
+def test_interleaved_chunks_of_one_process_fit_the_memory_cap_together():
+    """--schedule interleaved: process s holds chunks s, K + s, ...; --stage-memory caps
+    their sum. Layers whose activations, not parameters, take the memory make params'
+    cut, chosen under the cap per chunk, put more than the cap on one process; the plan
+    cuts again under cap / v per chunk, which fits; a cap no cut meets is refused."""
+    torch.manual_seed(0)
+    widths = [64, 512, 8, 512, 32, 512, 10]
+    layers = [m for a, b in zip(widths[:-1], widths[1:]) for m in (nn.Linear(a, b), nn.ReLU())][:-1]
+    graph = trace_model(nn.Sequential(*layers), torch.randn(256, 64))
+    cap = 2_800_000
+
+    def per_process(plan, processes=2):
+        return [sum(p.memory_bytes for p in plan.partitions[s::processes]) for s in range(processes)]
+
+    assert max(per_process(plan_partitions(graph, 4, "params", memory_cap=cap))) > cap  # chunks alone fit
+    plan = plan_partitions(graph, 4, "params", memory_cap=cap, chunks=2)
+    assert max(per_process(plan)) <= cap and all(p.memory_bytes <= cap / 2 for p in plan.partitions)
+    unlimited = plan_partitions(graph, 4, "params", chunks=2)  # no cap, no second cut
+    assert unlimited.assignment == plan_partitions(graph, 4, "params").assignment
+    # Each chunk fits 1.6 MB, but no cut fits two on a process, nor 0.8 MB per chunk.
+    with pytest.raises(ConfigError, match=r"process [01] would hold model chunks (0, 2|1, 3) of --schedule "
+                                          r"interleaved, .* more than --stage-memory 1.6 MB"):
+        plan_partitions(graph, 4, "params", memory_cap=1_600_000, chunks=2)
+    # A cap no four chunks meet names the fewest chunks, and the --stages that give them.
+    with pytest.raises(ConfigError, match=r"4 model chunks \(--stages 2 x --chunks 2\) cannot hold the model .* "
+                                          r"it needs at least [5-9]; pass --stages [3-5] or more"):
+        plan_partitions(graph, 4, "params", memory_cap=1_200_000, chunks=2)
+    with pytest.raises(ConfigError, match=r"process [01] would hold model chunks"):  # uniform cannot cut again
+        plan_partitions(graph, 4, "uniform", memory_cap=max(p.memory_bytes for p in plan_partitions(
+            graph, 4, "uniform").partitions), chunks=2)
+
+
 def test_profile_times_the_optimizer_step_of_each_nodes_parameters(digits):
     """A stage's compute includes its optimizer's step, so a profile given the optimizer
     prices it on the nodes that own parameters, and leaves the model as it was."""
@@ -410,6 +442,9 @@ def test_config_checks_the_parallel_fields():
     for flat, pattern in [({"stages": 0}, "stages must be at least 1"),
                           ({"partition": "manual"}, "split_points must name at least one node"),
                           ({"partition": "manual", "split_points": "a,b"}, "stages must be one more than the 2"),
+                          ({"stages": 2, "microbatches": 4, "schedule": "interleaved", "chunks": 2,
+                            "partition": "manual", "split_points": "a"},
+                           r"split_points must number --stages K x --chunks v - 1 \(2 x 2 - 1 = 3\)"),
                           ({"split_points": "a"}, "split_points apply to --partition manual only"),
                           ({"stage_memory": "lots"}, "stage_memory must be a positive size")]:
         with pytest.raises(ConfigError, match=pattern):
@@ -441,6 +476,21 @@ def test_cli_deep_mlp_needs_several_stages_under_a_small_stage_memory(capsys):
     units = {"B": 1, "kB": 1e3, "MB": 1e6, "GB": 1e9}
     memory = [float(r.split()[-6]) * units[r.split()[-5]] for r in rows]  # memory, in/step, out/step: 2 words each
     assert [r.split()[0] for r in rows] == [str(i) for i in range(8)] and all(0 < m <= 1e6 for m in memory)
+
+
+def test_cli_print_partition_of_interleaved_chunks(capsys):
+    """--print-partition under --schedule interleaved prints the K x v chunks the run
+    cuts, by any method, and which process runs which."""
+    base = ["train", "--model", "deep-mlp", "--stages", "2", "--microbatches", "4", "--schedule", "interleaved",
+            "--chunks", "2", "--print-partition"]
+    assert main([*base, "--partition", "manual", "--split-points", "net.4,net.8,net.12"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("deep-mlp on digits: 4 model chunks (2 processes, process s running chunks s, 2 + s")
+    assert [line.split()[1] for line in out[2:6]] == ["net_0..net_3", "net_4..net_7", "net_8..net_11",
+                                                        "net_12..net_15"]
+    assert main([*base, "--partition", "time"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "4 model chunks" in out[0] and all(float(line.split()[4]) > 0 for line in out[2:6])
 
 
 def test_cli_print_partition_time_and_manual(capsys):

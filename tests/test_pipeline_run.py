@@ -85,6 +85,26 @@ def test_an_interleaved_pipeline_equals_one_process(stages, microbatches, chunks
 
 @pytest.mark.slow
 @pytest.mark.parallel
+@pytest.mark.parametrize("cut", [dict(partition="time"), dict(partition="manual", split_points="net.4,net.8,net.12")])
+def test_an_interleaved_pipeline_cut_by_time_or_by_hand_equals_one_process(cut, one_process, tmp_path):
+    """--schedule interleaved with --partition time (stage 0 profiles the K x v chunks and
+    the others cut where it did) or manual (K x v - 1 split points): the model of one
+    process; under time each process's prediction is its chunks' sum."""
+    summary, got = _train(tmp_path, "pipe", model="deep-mlp", stages=2, microbatches=4, schedule="interleaved",
+                          chunks=2, **cut)
+    assert_same_model(got, one_process)
+    assert summary["traffic_matches_plan"] is True and len(summary["stages"]) == 2
+    nodes = {s["stage"]: s["nodes"] for s in summary["stages"]}
+    assert sorted(nodes[0] + nodes[1]) == sorted(f"net_{i}" for i in range(16))
+    if cut["partition"] == "manual":  # process 0 runs chunks 0 and 2, process 1 chunks 1 and 3
+        assert nodes == {0: [*(f"net_{i}" for i in range(4)), *(f"net_{i}" for i in range(8, 12))],
+                         1: [*(f"net_{i}" for i in range(4, 8)), *(f"net_{i}" for i in range(12, 16))]}
+    else:
+        assert all(s["predicted_seconds"] >= s["predicted_compute_seconds"] > 0 for s in summary["stages"])
+
+
+@pytest.mark.slow
+@pytest.mark.parallel
 def test_padded_ops_and_spinning_receives_leave_the_model_alone(one_process, tmp_path, monkeypatch):
     """PLEXUS_PIPELINE_OP_MS (benchmarks/pipeline_bubble.py --op-ms) makes each op last at
     least its padding, and --spin on makes every receive poll before it sleeps; neither
@@ -112,8 +132,8 @@ def test_padded_ops_and_spinning_receives_leave_the_model_alone(one_process, tmp
      ("must be a multiple of --stages K (3", "--microbatches 6")),
     (["--stages", "2", "--microbatches", "4", "--schedule", "interleaved", "--chunks", "2", "--tensor-parallel", "2"],
      ("does not combine with --schedule interleaved",)),
-    (["--stages", "2", "--microbatches", "4", "--schedule", "interleaved", "--chunks", "2", "--partition", "time"],
-     ("must be uniform or params under --schedule interleaved",)),
+    (["--stages", "2", "--microbatches", "4", "--schedule", "interleaved", "--chunks", "2", "--partition", "manual",
+      "--split-points", "net.4"], ("split_points must number --stages K x --chunks v - 1", "name 3 split points")),
 ])
 def test_bad_pipeline_input_is_one_line_and_status_2(args, needles, capsys, tmp_path):
     from plexus.cli import main

@@ -183,9 +183,6 @@ class ParallelConfig:
                      f"pass --microbatches {2 * max(2, self.stages)}")
             _require(self.tensor_parallel == 1, "tensor_parallel", "does not combine with --schedule interleaved yet",
                      self.tensor_parallel, "drop --tensor-parallel, or use --schedule 1f1b")
-            _require(self.partition in ("uniform", "params"), "partition",
-                     "must be uniform or params under --schedule interleaved (time and manual cut K stages, not the "
-                     "K x v chunks)", self.partition, "pass --partition params")
         _require(not asynchronous or self.stages > 1, "schedule", "pipelines the stages of --stages K, K at least 2",
                  self.schedule, "pass --stages 2 or more")
         _require(self.schedule != "pipedream" or self.microbatches == 1, "microbatches",
@@ -216,9 +213,16 @@ class ParallelConfig:
         if self.partition == "manual":
             _require(bool(points), "split_points", "must name at least one node under --partition manual",
                      self.split_points, "pass --split-points NAME[,NAME...] (--print-partition lists the nodes)")
-            _require(self.stages == len(points) + 1, "stages",
-                     f"must be one more than the {len(points)} split points under --partition manual",
-                     self.stages, f"pass --stages {len(points) + 1}")
+            if self.schedule == "interleaved":  # the points cut K x v model chunks
+                _require(self.stages * self.chunks == len(points) + 1, "split_points",
+                         f"must number --stages K x --chunks v - 1 ({self.stages} x {self.chunks} - 1 = "
+                         f"{self.stages * self.chunks - 1}) under --partition manual with --schedule interleaved, "
+                         f"which cuts K x v model chunks", self.split_points,
+                         f"name {self.stages * self.chunks - 1} split points")
+            else:
+                _require(self.stages == len(points) + 1, "stages",
+                         f"must be one more than the {len(points)} split points under --partition manual",
+                         self.stages, f"pass --stages {len(points) + 1}")
         else:
             _require(not points, "split_points", "apply to --partition manual only", self.split_points,
                      "pass --partition manual, or drop --split-points")

@@ -109,7 +109,8 @@ def make_plan(cfg: JobConfig, model: torch.nn.Module, sample: torch.Tensor,
     # --schedule interleaved: K x v partitions, process s running virtual stages s, K + s, ...
     plan = plan_partitions(graph, cfg.parallel.stages * cfg.parallel.chunks, method, split_points=points,
                            memory_cap=cfg.parallel.stage_memory_bytes, optimizer_slots=slots,
-                           bandwidth=cfg.cluster.net.bandwidth, latency=cfg.cluster.net.latency)
+                           bandwidth=cfg.cluster.net.bandwidth, latency=cfg.cluster.net.latency,
+                           chunks=cfg.parallel.chunks)
     if method == "time":
         plan = price_plan(graph, plan, sample, optimizer)
     return graph, plan
@@ -191,7 +192,7 @@ def shared_plan(cfg: JobConfig, k: int, store, model: torch.nn.Module, sample: t
                 optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None
                 ) -> tuple[ModelGraph, PartitionPlan, list[list[float]] | None]:
     """The plan every stage runs, and (time only) the profiled plan's predicted seconds
-    per step of each stage, [compute, compute + transfers]. uniform, params and manual
+    per step of each stage's process, [compute, compute + transfers]. uniform, params and manual
     are deterministic, so each stage makes its own. time depends on seconds measured in
     one process: stage 0 profiles and plans, prices the chosen cut on its stage programs
     (``price_plan``: those seconds are the prediction published), and publishes the
@@ -205,7 +206,10 @@ def shared_plan(cfg: JobConfig, k: int, store, model: torch.nn.Module, sample: t
     store_barrier(store, "stages/built", cfg.parallel.per_replica * cfg.cluster.workers, cfg.cluster.timeout)
     if k == 0:
         _, plan = make_plan(cfg, model, sample, optimizer=optimizer)
-        store_set_json(store, PREDICTED_KEY, [[p.compute_s, p.time_s] for p in plan.partitions])
+        processes = cfg.parallel.stages  # under interleaved each holds chunks s, K + s, ...: their sum
+        store_set_json(store, PREDICTED_KEY, [[sum(p.compute_s for p in plan.partitions[s::processes]),
+                                               sum(p.time_s for p in plan.partitions[s::processes])]
+                                              for s in range(processes)])
         store_set_json(store, SPLIT_KEY, [p.compute[0] for p in plan.partitions[1:]])
     wait_keys(store, [SPLIT_KEY], cfg.cluster.timeout, "stage 0's profiled plan")
     graph, plan = make_plan(cfg, model, sample, tuple(store_get_json(store, SPLIT_KEY)))

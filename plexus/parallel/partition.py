@@ -575,7 +575,7 @@ def format_bytes(n: float) -> str:
 
 def plan_partitions(graph: ModelGraph, stages: int, method: Method = "params", *,
                     split_points: Sequence[str] = (), memory_cap: int | None = None, optimizer_slots: int = 1,
-                    bandwidth: float | None = None, latency: float = 0.0) -> PartitionPlan:
+                    bandwidth: float | None = None, latency: float = 0.0, chunks: int = 1) -> PartitionPlan:
     """Cut ``graph`` into ``stages`` contiguous ranges of its topological order.
 
     uniform: equal numbers of computing nodes. params: the largest stage's parameter
@@ -587,16 +587,53 @@ def plan_partitions(graph: ModelGraph, stages: int, method: Method = "params", *
     ``memory_cap`` (bytes per stage: parameters, gradients, ``optimizer_slots`` copies
     of optimizer state, activations and received values); uniform and manual are
     refused when a stage exceeds it. Bad input raises ConfigError.
+
+    ``chunks`` v > 1 (--schedule interleaved): the ``stages`` ranges are model chunks,
+    and process s of the ``stages / v`` holds chunks s, K + s, 2K + s, ..., which must
+    fit ``memory_cap`` together. Where the cut chosen under the cap per chunk puts more
+    on a process, params and time cut again under cap / v per chunk, which always fits.
     """
     if method not in METHODS:
         raise ConfigError(f"partition must be one of {', '.join(METHODS)}, got {method!r}: pass --partition params")
+    if chunks < 1 or stages % chunks:
+        raise ValueError(f"chunks {chunks} must divide stages {stages}")
     costs = _Costs(graph, optimizer_slots, bandwidth or DEFAULT_BANDWIDTH, latency)
-    compute = costs.compute
-    n = len(compute)
+    n = len(costs.compute)
     if stages < 1 or stages > n:
         raise ConfigError(f"stages must lie in [1, {n}] for this model, which has {n} computing nodes, got "
                           f"{stages}: pass --stages {max(1, min(stages, n))} or fewer")
     cap = memory_cap if memory_cap is not None else math.inf
+    cuts = _cut(graph, costs, stages, method, split_points, cap, chunks)
+    if chunks > 1 and cap < math.inf:
+        process, held = _fullest_process(costs, cuts, stages // chunks)
+        if held > cap and method in ("params", "time"):
+            try:
+                cuts = _cut(graph, costs, stages, method, split_points, cap / chunks)
+                process, held = _fullest_process(costs, cuts, stages // chunks)
+            except ConfigError:
+                pass  # no cut fits a v-th of the cap per chunk: the first cut's excess is the message
+        if held > cap:
+            mine = list(range(process, stages, stages // chunks))
+            raise ConfigError(f"process {process} would hold model chunks {', '.join(map(str, mine))} of "
+                              f"--schedule interleaved, {format_bytes(held)} together, more than --stage-memory "
+                              f"{format_bytes(cap)}: pass a larger --stage-memory, fewer --chunks or more --stages")
+    return _make_plan(graph, costs, method, cuts, cap)
+
+
+def _fullest_process(costs: _Costs, cuts: list[int], processes: int) -> tuple[int, int]:
+    """(process, bytes) of the process whose chunks (s, K + s, ... of ``cuts``' ranges,
+    K = ``processes``) need the most memory together."""
+    held = [0] * processes
+    for s in range(len(cuts) - 1):
+        held[s % processes] += costs.measure(cuts[s], cuts[s + 1])[1]
+    return max(enumerate(held), key=lambda pair: pair[1])
+
+
+def _cut(graph: ModelGraph, costs: _Costs, stages: int, method: str, split_points: Sequence[str],
+         cap: float, chunks: int = 1) -> list[int]:
+    """The positions in ``costs.compute`` where each of ``stages`` ranges begins, and its end."""
+    compute = costs.compute
+    n = len(compute)
     if method == "manual":
         if len(split_points) + 1 != stages:
             raise ConfigError(f"--partition manual makes one stage more than split points: {len(split_points)} "
@@ -623,12 +660,12 @@ def plan_partitions(graph: ModelGraph, stages: int, method: Method = "params", *
                     table[lo][hi] = seconds if method == "time" else float(params)
         found = _min_max_cuts(n, stages, table)
         if found is None:
-            raise _no_legal_cut(costs, graph, stages, cap)
+            raise _no_legal_cut(costs, graph, stages, cap, chunks)
         cuts = found
-    return _make_plan(graph, costs, method, cuts, cap)
+    return cuts
 
 
-def _no_legal_cut(costs: _Costs, graph: ModelGraph, stages: int, cap: float) -> ConfigError:
+def _no_legal_cut(costs: _Costs, graph: ModelGraph, stages: int, cap: float, chunks: int = 1) -> ConfigError:
     compute = costs.compute
     for i, name in enumerate(compute):
         memory = costs.measure(i, i + 1)[1]
@@ -646,6 +683,10 @@ def _no_legal_cut(costs: _Costs, graph: ModelGraph, stages: int, cap: float) -> 
                 break
             hi = end
         needed, lo = needed + 1, hi
+    if chunks > 1:
+        return ConfigError(f"{stages} model chunks (--stages {stages // chunks} x --chunks {chunks}) cannot hold the "
+                           f"model under --stage-memory {format_bytes(cap)}: it needs at least {needed}; pass "
+                           f"--stages {-(-needed // chunks)} or more, or a larger --stage-memory")
     return ConfigError(f"{stages} stage{'s' if stages > 1 else ''} cannot hold the model under --stage-memory "
                        f"{format_bytes(cap)}: it needs at least {needed}; pass --stages {needed} or a larger "
                        f"--stage-memory")
