@@ -534,7 +534,8 @@ def _print_partition(cfg) -> None:
         for program, example in zip(programs, stage_examples(programs, data.x_train[:batch])):
             split = plan_tensor_split(program.module, shards, example)
             traffic = predict_traffic(split, batch, shards)
-            print(f"\nstage {program.index}, --tensor-parallel {shards}: {traffic['messages']} messages, "
+            print(f"\n{'model chunk' if chunks > 1 else 'stage'} {program.index}, --tensor-parallel {shards}: "
+                  f"{traffic['messages']} messages, "
                   f"{traffic['bytes']:,} bytes per process per step in its shards' collectives")
             print(format_tensor_plan(split))
 

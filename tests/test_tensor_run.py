@@ -41,6 +41,29 @@ def test_tensor_parallel_equals_one_process(model, stages, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parallel
+@pytest.mark.parametrize("schedule", [dict(schedule="1f1b"), dict(schedule="zb-h1"),
+                                      dict(schedule="interleaved", chunks=2)])
+def test_tensor_parallel_pipelines_equal_one_process(schedule, tmp_path):
+    """--tensor-parallel 2 under a pipeline of 2 stages and 4 micro-batches, 1f1b, zb-h1
+    and interleaved (each process's two model chunks split, one plan of their layers): the
+    model of one process, each shard's collectives as predicted once per micro-batch (under
+    zb-h1, no all-reduce of the model input's gradient, which B would drop)."""
+    _, want = _train(tmp_path, "one", model="deep-mlp", workers=1)
+    summary, got = _train(tmp_path, "tp", model="deep-mlp", stages=2, tensor_parallel=2, microbatches=4, **schedule)
+    assert_same_model(got, want)
+    assert summary["processes"] == 4 and summary["pipeline"]["schedule"] == schedule["schedule"]
+    assert summary["tensor_traffic_matches_plan"] is True and summary["traffic_matches_plan"] is True
+    layers = {stage["stage"]: [int(name.split(".")[1]) for name, _ in stage["tensor_layers"]]
+              for stage in summary["stages"]}  # net.N: the N-th module of deep-mlp's Sequential
+    assert all(len(found) == len(set(found)) >= 2 for found in layers.values())
+    if "chunks" in schedule:  # process 0's second chunk comes after process 1's first
+        assert max(layers[0]) > min(layers[1]) and min(layers[0]) < min(layers[1])
+    else:
+        assert max(layers[0]) < min(layers[1])
+
+
+@pytest.mark.slow
+@pytest.mark.parallel
 def test_two_replicas_of_tensor_parallel_stages_equal_allreduce(tmp_path):
     _, want = _train(tmp_path, "ar", model="mlp", strategy="allreduce", workers=2)
     summary, got = _train(tmp_path, "hybrid", model="mlp", workers=2, tensor_parallel=2)

@@ -181,8 +181,6 @@ class ParallelConfig:
                      "microbatches", f"must be a multiple of --stages K ({self.stages}, at least 2) under --schedule "
                      f"interleaved: whole rounds of K micro-batches per chunk", self.microbatches,
                      f"pass --microbatches {2 * max(2, self.stages)}")
-            _require(self.tensor_parallel == 1, "tensor_parallel", "does not combine with --schedule interleaved yet",
-                     self.tensor_parallel, "drop --tensor-parallel, or use --schedule 1f1b")
         _require(not asynchronous or self.stages > 1, "schedule", "pipelines the stages of --stages K, K at least 2",
                  self.schedule, "pass --stages 2 or more")
         _require(self.schedule != "pipedream" or self.microbatches == 1, "microbatches",

@@ -606,12 +606,14 @@ class StageExecutor:
         else:
             target = model
         if grad and p.model_inputs and x is not None and x.is_floating_point() and self.schedule is not None \
-                and not self.asynchronous:
+                and not self.asynchronous and self.shards == 1:
             # A synchronous pipeline's stage that reads the model's input: B differentiates
             # that input too, which is what lets W take only the weight products
             # (SplitBackward, zb-h1's W and ``_linear_backward``) where a stage that receives
             # nothing would have an empty B and a whole backward as W. The input's gradient
-            # is dropped, and autograd computes it only where B asks for it.
+            # is dropped, and autograd computes it only where B asks for it. Not with
+            # --tensor-parallel: a split layer that reads the input all-reduces its
+            # gradient across the shards, a message per micro-batch for a dropped value.
             x = x.detach().requires_grad_(True)
         params = {q.data_ptr() for q in (model.parameters() if weights is None else weights.values())}
         module = target if weights is None else (lambda *args: functional_call(target, weights, args))

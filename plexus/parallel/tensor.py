@@ -53,7 +53,8 @@ from plexus.errors import ConfigError
 from plexus.parallel.partition import _symbolic, format_bytes
 
 __all__ = ["SplitKind", "SplitLayer", "TensorPlan", "plan_tensor_split", "shard_module", "predict_traffic",
-           "merge_tensor_states", "format_tensor_plan", "CopyToParallel", "GatherFromParallel", "RowParallelLinear"]
+           "join_tensor_plans", "merge_tensor_states", "format_tensor_plan", "CopyToParallel", "GatherFromParallel",
+           "RowParallelLinear"]
 
 SplitKind = Literal["column", "row", "column+gather", "channels+gather"]
 
@@ -452,6 +453,23 @@ def predict_traffic(plan: TensorPlan, batch: int, T: int) -> dict[str, int]:
             forward[1] += peers * split.out_numel * batch // T * split.itemsize
     return {"forward_messages": forward[0], "forward_bytes": forward[1], "backward_messages": backward[0],
             "backward_bytes": backward[1], "messages": forward[0] + backward[0], "bytes": forward[1] + backward[1]}
+
+
+def join_tensor_plans(plans: Sequence[TensorPlan]) -> TensorPlan:
+    """The plans of one process's model chunks (--schedule interleaved) as one: their
+    layers and whole layers together, which ``predict_traffic`` prices as one pass of
+    every chunk per micro-batch and ``merge_tensor_states`` merges by qualified name. A
+    chunk's fx node names are the whole model's, and a chunk reads nothing from another
+    chunk of its process (``join_chunks``), so no input value is counted twice."""
+    if len(plans) == 1:
+        return plans[0]
+    layers = tuple(layer for plan in plans for layer in plan.layers)
+    inputs = [{layer.input_node for layer in plan.layers} for plan in plans]
+    if len({layer.name for layer in layers}) != len(layers) or \
+            len(set().union(*inputs)) != sum(len(names) for names in inputs):
+        raise ValueError("join_tensor_plans: two chunks' plans share a layer or an input value")
+    return TensorPlan(model=plans[0].model, ways=plans[0].ways, layers=layers,
+                      whole=tuple(item for plan in plans for item in plan.whole))
 
 
 def merge_tensor_states(states: Sequence[Mapping[str, torch.Tensor]], plan: TensorPlan) -> dict[str, torch.Tensor]:

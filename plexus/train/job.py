@@ -71,7 +71,8 @@ def validate(cfg: JobConfig):
                 try:
                     plan_tensor_split(program.module, cfg.parallel.tensor_parallel, example)
                 except ConfigError as exc:
-                    where = f"stage {program.index} of {plan.stages}: " if plan.stages > 1 else ""
+                    part = "model chunk" if cfg.parallel.chunks > 1 else "stage"
+                    where = f"{part} {program.index} of {plan.stages}: " if plan.stages > 1 else ""
                     raise ConfigError(f"{where}{exc}") from None
     # (Sandblaster's batch caps at the training set: a larger one is full-batch L-BFGS.)
     if cfg.run.batch_size > len(data.x_train) and cfg.strategy.strategy != "sandblaster":

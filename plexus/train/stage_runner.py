@@ -43,7 +43,7 @@ from plexus.errors import ProtocolError
 from plexus.cluster.group import Group
 from plexus.parallel.executor import StageExecutor, gather_state, shared_plan, stage_examples, stage_name
 from plexus.parallel.stages import build_stages, join_chunks
-from plexus.parallel.tensor import plan_tensor_split, shard_module
+from plexus.parallel.tensor import join_tensor_plans, plan_tensor_split, shard_module
 from plexus.strategies import create_strategy
 from plexus.strategies.base import Context, LossFn, StepStats, Strategy, make_optimizer
 from plexus.train.data import load_dataset
@@ -108,15 +108,21 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
     share = batch // replicas  # this replica's samples per step (config checks B % R == 0)
     graph, plan, predicted = shared_plan(cfg, i, store, model, data.x_train[:share],
                                          optimizer=lambda params: make_optimizer(params, cfg.optim))
-    programs = join_chunks(build_stages(graph, plan), stages)  # interleaved: a process's v model chunks as one
+    virtual = build_stages(graph, plan)  # interleaved: K x v model chunks, process s running s, K + s, ...
+    programs = join_chunks(virtual, stages)  # a process's chunks as one program
     program = programs[k]
     tensor = None
-    if shards > 1:  # this process holds shard t of the stage's split layers (parallel/tensor.py)
+    if shards > 1:  # this process holds shard t of its chunks' split layers (parallel/tensor.py)
         tp_group = Group(store, f"tensor-{r}-{k}", t, [stage_name(i - t + u) for u in range(shards)],
                          traffic=Traffic(), timeout=cfg.cluster.timeout, backend=backend, net=cfg.cluster.net)
-        split = plan_tensor_split(program.module, shards, stage_examples(programs, data.x_train[:share])[k])
-        program = dataclasses.replace(program, module=shard_module(program.module, split, t, shards, tp_group))
-        tensor = (split, tp_group)
+        examples = stage_examples(virtual, data.x_train[:share])
+        splits = {}
+        for chunk in program.chunks or (program,):
+            splits[chunk.index] = plan_tensor_split(chunk.module, shards, examples[chunk.index])
+            virtual[chunk.index] = dataclasses.replace(
+                chunk, module=shard_module(chunk.module, splits[chunk.index], t, shards, tp_group))
+        program = join_chunks(virtual, stages)[k]
+        tensor = (join_tensor_plans(list(splits.values())), tp_group)
     program.module.to(device)
     g = plan.output_stage % stages  # the process of the output's (virtual) stage
     if g != stages - 1:  # plan.writer_slot gives the run directory to the last stage's process
