@@ -315,7 +315,7 @@ def test_pricing_times_each_stage_program_and_keeps_the_cut():
     clock = _Clock()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), _Slow(clock, 2.0, 3.0), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
-    x = torch.randn(5, 4)
+    x, six = torch.randn(5, 4), torch.randn(6, 4)
     graph = trace_model(model, x)
     assert [n.target for n in graph.compute] == ["0", "1", "2", "3", "4"]
     plan = plan_partitions(graph, 3, "manual", split_points=("1", "3"))
@@ -329,6 +329,10 @@ def test_pricing_times_each_stage_program_and_keeps_the_cut():
         assert new.time_s - new.compute_s == pytest.approx(old.time_s - old.compute_s, abs=1e-15)
         assert dataclasses.replace(new, compute_s=old.compute_s, time_s=old.time_s) == old
     assert (priced.assignment, priced.transfers) == (plan.assignment, plan.transfers)
+    # A pipeline's step: each of M micro-batches' forward and backward, one optimizer step.
+    piped = price_plan(graph, plan, six, lambda params: _SlowStep(params, clock, 0.5), steps=5,
+                       clock=clock, microbatches=3)
+    assert [p.compute_s for p in piped.partitions] == [0.5, 3 * 5.0 + 0.5, 0.5]
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert torch.equal(rng, torch.get_rng_state())
 
