@@ -42,12 +42,14 @@ def test_tensor_parallel_equals_one_process(model, stages, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parallel
 @pytest.mark.parametrize("schedule", [dict(schedule="1f1b"), dict(schedule="zb-h1"),
-                                      dict(schedule="interleaved", chunks=2)])
+                                      dict(schedule="interleaved", chunks=2), dict(schedule="1f1b", recompute=True)],
+                         ids=["1f1b", "zb-h1", "interleaved", "1f1b-recompute"])
 def test_tensor_parallel_pipelines_equal_one_process(schedule, tmp_path):
     """--tensor-parallel 2 under a pipeline of 2 stages and 4 micro-batches, 1f1b, zb-h1
     and interleaved (each process's two model chunks split, one plan of their layers): the
     model of one process, each shard's collectives as predicted once per micro-batch (under
-    zb-h1, no all-reduce of the model input's gradient, which B would drop)."""
+    zb-h1, no all-reduce of the model input's gradient, which B would drop; under
+    --recompute, each forward's collectives twice)."""
     _, want = _train(tmp_path, "one", model="deep-mlp", workers=1)
     summary, got = _train(tmp_path, "tp", model="deep-mlp", stages=2, tensor_parallel=2, microbatches=4, **schedule)
     assert_same_model(got, want)

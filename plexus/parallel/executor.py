@@ -989,8 +989,11 @@ class StageExecutor:
             (self._planned_traffic(steps), {})
         tensor = {}
         if self.tensor_plan is not None:
-            plan = {key: value * m_count for key, value in
-                    predict_traffic(self.tensor_plan, self.batch // m_count, self.shards).items()}
+            # Per micro-batch; --recompute runs each forward, and its collectives, twice.
+            once = predict_traffic(self.tensor_plan, self.batch // m_count, self.shards)
+            passes = 2 if self.recompute else 1
+            plan = {key: m_count * (passes * once[f"forward_{key}"] + once[f"backward_{key}"])
+                    for key in ("messages", "bytes")}
             rows = self.tensor_group.traffic.snapshot().values()
             tensor = {**{f"tensor_{what}_{way}": sum(row[f"{key}_{way}"] for row in rows)
                          for what, key in (("messages", "msgs"), ("bytes", "bytes")) for way in ("sent", "recv")},
