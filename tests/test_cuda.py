@@ -70,11 +70,14 @@ def test_strategies_train_on_a_gpu_as_on_the_cpu(flat, tolerance, tmp_path):
 
 @cuda
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+@pytest.mark.parametrize("schedule", [dict(schedule="gpipe"), dict(schedule="1f1b"), dict(schedule="zb-h1"),
+                                      dict(schedule="interleaved", chunks=2),
+                                      dict(schedule="zb-h1", tensor_parallel=2)],
+                         ids=["gpipe", "1f1b", "zb-h1", "interleaved", "zb-h1-tensor-parallel"])
 def test_a_pipeline_on_a_gpu_equals_one_process_there(schedule, tmp_path):
     _, want = _train(tmp_path, "one", device="cuda", model="deep-mlp", workers=1)
     summary, got = _train(tmp_path, "pipe", device="cuda", model="deep-mlp", stages=2, microbatches=4,
-                          schedule=schedule)
+                          **schedule)
     assert summary["device"].startswith("cuda")
     assert {s["peak_memory_measure"] for s in summary["stages"]} == {"cuda allocator"}
     assert {t.device.type for t in got.values()} == {"cpu"}  # model.pt loads without a GPU
