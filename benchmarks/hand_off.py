@@ -4,13 +4,15 @@ activations (rows x 1024 float32), measured warm (back to back) and right after 
 work (three 1024-wide matrix products, which leave the caches cold, as in a pipeline),
 beside the floor: the copy into the ring and the token's write alone. Then a 1024-wide
 Linear's three products at the same rows, one thread: the forward (``F.linear``, x W^T),
-B's input gradient (dY W) and W's weight gradient added into an accumulator (dY^T X).
+B's input gradient (dY W) and W's weight gradient added into an accumulator (dY^T X),
+and what B's split plan (``SplitBackward``, made for every micro-batch before its sends)
+costs on a stage of two and of four such layers.
 
     python benchmarks/hand_off.py              # about 40 seconds
 
 Both ends live in this process (two Links over one store), so no process wakes another:
-what is timed is the work of each call. Prints two markdown tables, medians of 500 after
-100 to warm up (200 after 20 for the products).
+what is timed is the work of each call. Prints markdown tables, medians of 500 after
+100 to warm up (200 after 20 for the products and the plan).
 
 A third table times a hand-off between two processes, as a pipeline makes one: the sender
 idles 2 ms (a stage's op, its core free), sends a 32 x 32 float32 micro-batch, and the
@@ -35,6 +37,7 @@ import torch.distributed as dist
 from plexus.cluster.group import Link, link_pair
 from plexus.cluster.shm_channel import set_spin
 from plexus.cluster.traffic import Traffic
+from plexus.parallel.split_backward import SplitBackward
 from plexus.train.runner import SPIN_SECONDS
 
 WIDTH = 1024
@@ -99,6 +102,11 @@ def main() -> None:
         w = _time_ms(lambda: acc.addmm_(dy.t(), x))
         print(f"| {rows} | {f:.3f} | {bw:.3f} | {w:.3f} | {f / bw:.2f} |", flush=True)
     print()
+    print("| Linear + ReLU layers in the stage | B's split plan us (SplitBackward, before its sends) |")
+    print("|---:|---:|")
+    for layers in (2, 4):
+        print(f"| {layers} | {1e3 * _plan_ms(layers):.0f} |", flush=True)
+    print()
     print("| receive waits by | hand-off median us | p90 us |")
     print("|---|---:|---:|")
     for label, spin in (("sleeping in poll()", 0.0), ("polling the link first (--spin on)", SPIN_SECONDS)):
@@ -146,6 +154,23 @@ def _hand_offs(spin: float) -> list[float]:
     link.close()
     set_spin(0.0)
     return sorted(got[50:])
+
+
+def _plan_ms(layers: int, rows: int = 32) -> float:
+    """The median time of one micro-batch's SplitBackward plan (zb-h1's B, and the
+    B-then-W backward of a stage of Linears) over a stage of ``layers`` Linear + ReLU
+    layers, on a fresh graph each time as each micro-batch makes one (its forward not
+    timed)."""
+    stage = torch.nn.Sequential(*(m for _ in range(layers) for m in (torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU())))
+    params = list(stage.parameters())
+    samples = []
+    for _ in range(220):
+        x = torch.randn(rows, WIDTH, requires_grad=True)
+        out = stage(x)
+        t0 = time.perf_counter()
+        SplitBackward([out], [torch.ones_like(out)], [x], params)
+        samples.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(samples[20:])
 
 
 def _time_ms(op) -> float:

@@ -133,6 +133,8 @@ def test_padded_ops_and_spinning_receives_leave_the_model_alone(one_process, tmp
     (["--stages", "2", "--microbatches", "4", "--schedule", "interleaved", "--chunks", "2", "--model", "deep-mlp",
       "--hidden", "256", "--stage-memory", "1.5MB"],
      ("4 model chunks (--stages 2 x --chunks 2) cannot hold the model", "pass --stages 3 or more")),
+    (["--stages", "2", "--microbatches", "4", "--schedule", "interleaved", "--chunks", "2", "--model", "towers"],
+     ("value flatten goes from virtual stage 0 to 2, two chunks of process 0",)),  # before any process starts
     (["--stages", "2", "--microbatches", "4", "--schedule", "interleaved", "--chunks", "2", "--partition", "manual",
       "--split-points", "net.4"], ("split_points must number --stages K x --chunks v - 1", "name 3 split points")),
 ])

@@ -68,7 +68,7 @@ from plexus.config import ASYNCHRONOUS_SCHEDULES, JobConfig
 from plexus.errors import ConfigError
 from plexus.parallel.partition import ModelGraph, PartitionPlan, Transfer, plan_partitions, trace_model
 from plexus.parallel.schedules import Op, make_schedule, replay, simulate
-from plexus.parallel.stages import StageProgram, StageStep, build_stages, merge_state_dicts
+from plexus.parallel.stages import StageProgram, StageStep, build_stages, join_chunks, merge_state_dicts
 from plexus.parallel.split_backward import SplitBackward
 from plexus.parallel.stash import WeightStash
 from plexus.parallel.tensor import TensorPlan, merge_tensor_states, predict_traffic
@@ -111,6 +111,8 @@ def make_plan(cfg: JobConfig, model: torch.nn.Module, sample: torch.Tensor,
                            memory_cap=cfg.parallel.stage_memory_bytes, optimizer_slots=slots,
                            bandwidth=cfg.cluster.net.bandwidth, latency=cfg.cluster.net.latency,
                            chunks=cfg.parallel.chunks)
+    if cfg.parallel.chunks > 1:  # a cut interleaved cannot run (a value between one process's chunks) is
+        join_chunks(build_stages(graph, plan), cfg.parallel.stages)  # refused here, before processes start
     if method == "time":
         plan = price_plan(graph, plan, sample, optimizer, microbatches=cfg.parallel.microbatches)
     return graph, plan
