@@ -6,7 +6,8 @@ beside the floor: the copy into the ring and the token's write alone. Then a 102
 Linear's three products at the same rows, one thread: the forward (``F.linear``, x W^T),
 B's input gradient (dY W) and W's weight gradient added into an accumulator (dY^T X),
 and what B's split plan (``SplitBackward``, made for every micro-batch before its sends)
-costs on a stage of two and of four such layers.
+costs on a stage of two and of four such layers, planned and following the first
+micro-batch's plan.
 
     python benchmarks/hand_off.py              # about 40 seconds
 
@@ -102,10 +103,11 @@ def main() -> None:
         w = _time_ms(lambda: acc.addmm_(dy.t(), x))
         print(f"| {rows} | {f:.3f} | {bw:.3f} | {w:.3f} | {f / bw:.2f} |", flush=True)
     print()
-    print("| Linear + ReLU layers in the stage | B's split plan us (SplitBackward, before its sends) |")
-    print("|---:|---:|")
+    print("| Linear + ReLU layers in the stage | B's split plan us (SplitBackward, before its sends) "
+          "| following the first micro-batch's plan us |")
+    print("|---:|---:|---:|")
     for layers in (2, 4):
-        print(f"| {layers} | {1e3 * _plan_ms(layers):.0f} |", flush=True)
+        print(f"| {layers} | {1e3 * _plan_ms(layers, False):.0f} | {1e3 * _plan_ms(layers, True):.0f} |", flush=True)
     print()
     print("| receive waits by | hand-off median us | p90 us |")
     print("|---|---:|---:|")
@@ -156,20 +158,24 @@ def _hand_offs(spin: float) -> list[float]:
     return sorted(got[50:])
 
 
-def _plan_ms(layers: int, rows: int = 32) -> float:
+def _plan_ms(layers: int, follow: bool, rows: int = 32) -> float:
     """The median time of one micro-batch's SplitBackward plan (zb-h1's B, and the
     B-then-W backward of a stage of Linears) over a stage of ``layers`` Linear + ReLU
     layers, on a fresh graph each time as each micro-batch makes one (its forward not
-    timed)."""
+    timed): planned, or (``follow``) following the first micro-batch's plan, as the
+    executor's later micro-batches do (``SplitBackward.template``)."""
     stage = torch.nn.Sequential(*(m for _ in range(layers) for m in (torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU())))
     params = list(stage.parameters())
-    samples = []
+    samples, template = [], None
     for _ in range(220):
         x = torch.randn(rows, WIDTH, requires_grad=True)
         out = stage(x)
+        seed = torch.ones_like(out)
         t0 = time.perf_counter()
-        SplitBackward([out], [torch.ones_like(out)], [x], params)
+        plan = SplitBackward([out], [seed], [x], params, template)
         samples.append(time.perf_counter() - t0)
+        if follow and template is None:
+            template = plan.template
     return 1e3 * statistics.median(samples[20:])
 
 

@@ -128,3 +128,43 @@ def test_w_leaves_no_micro_batch_graph_alive_under_the_executors_hooks():
     del sb, out, hidden, x
     gc.collect()
     assert alive() is None
+
+
+def test_a_later_micro_batch_follows_the_first_ones_plan():
+    """A stage of Linears is planned once (``template``, indices only, no node) and each
+    later micro-batch's graph, of the same shape, follows it to the same linears and the
+    same gradients; a template from another graph falls back to planning."""
+    torch.manual_seed(6)
+    first, second = torch.nn.Linear(4, 8), torch.nn.Linear(8, 3)
+    params = [first.weight, first.bias, second.weight, second.bias]
+
+    def backward(template=None, seed=0):
+        torch.manual_seed(seed)
+        x = torch.randn(5, 4, requires_grad=True)
+        out = second(torch.relu(first(x))).square().sum()
+        return out, x, SplitBackward([out], [torch.ones(())], [x], params, template)
+
+    _, _, planned = backward()
+    template = planned.template
+    assert template == ((2, 3), (0, 1))  # the walk down meets the second Linear first
+    out, x, followed = backward(template, seed=1)
+    want = _whole([out], [torch.ones(())], [x, *params])
+    assert followed.split and [(w, b) for _, w, b in followed.linears] == [(2, 3), (0, 1)]
+    assert not followed.groups
+    torch.testing.assert_close(followed.input_gradients()[0], want[0], rtol=0, atol=0)
+    for got, w in zip(followed.weight_gradients(), want[1:]):
+        torch.testing.assert_close(got, w)
+    # Another graph: one Linear fewer, or the weights of another stage, so planned afresh.
+    torch.manual_seed(2)
+    x = torch.randn(5, 4, requires_grad=True)
+    alone = SplitBackward([first(x).sum()], [torch.ones(())], [x], params[:2], template)
+    assert alone.split and [(w, b) for _, w, b in alone.linears] == [(0, 1)]
+    other = torch.nn.Linear(8, 3)
+    out = other(torch.relu(first(x))).sum()
+    swapped = SplitBackward([out], [torch.ones(())], [x], [other.weight, other.bias, *params[:2]], template)
+    # The template's index 2 is first's weight here, which the first matmul met does not read.
+    assert swapped.split and swapped.template == ((0, 1), (2, 3))
+    # A plan that is not Linears alone has no template.
+    scale = torch.randn(3, requires_grad=True)
+    mixed = SplitBackward([(second(first(x)) * scale).sum()], [torch.ones(())], [x], [*params, scale])
+    assert mixed.split and mixed.groups and mixed.template is None

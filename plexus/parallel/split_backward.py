@@ -25,6 +25,12 @@ B recorded at its matmul node and the input that node saved, and its bias's the 
 dY. ``weight_gradients(into=...)`` adds that product into the step's accumulator in the
 matrix product itself (``addmm_``), where autograd would write a new gradient and the
 caller then add it: on a CPU core that addition was a third of a 1024-wide layer's W.
+
+Each micro-batch makes a new graph, of the same shape when it runs the same stage program
+(an fx graph, without control flow). Where the plan is Linears alone, ``template`` keeps
+its shape as indices, and the next micro-batches' plans follow it (``template=``): a walk
+down the graph to its matmul nodes, each checked to read the same weight, instead of the
+whole plan.
 """
 from __future__ import annotations
 
@@ -34,7 +40,28 @@ from typing import Sequence
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-__all__ = ["SplitBackward"]
+__all__ = ["SplitBackward", "Template"]
+
+
+# A Linears-only plan's shape: per matmul node met walking down the graph, the indices of
+# its Linear's weight and bias (None: a matmul of no Linear). See SplitBackward.template.
+Template = tuple[tuple[int, int | None] | None, ...]
+_MATMULS = ("AddmmBackward0", "MmBackward0")
+
+
+def _matmuls(tensors: Sequence[torch.Tensor]) -> list[Node]:
+    """The matmul nodes below ``tensors``' outputs, in breadth-first order from them."""
+    roots = [t.grad_fn for t in tensors if t.grad_fn is not None]
+    seen, todo, found = set(roots), deque(roots), []
+    while todo:
+        node = todo.popleft()
+        if node.name() in _MATMULS:
+            found.append(node)
+        for nxt, _ in node.next_functions:
+            if nxt is not None and nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return found
 
 
 def _reach(starts: list[Node], edges: dict[Node, list[Node]]) -> set[Node]:
@@ -53,14 +80,46 @@ class SplitBackward:
     (``input_gradients``, of ``leaves``) then W (``weight_gradients``, of ``params``)."""
 
     def __init__(self, tensors: Sequence[torch.Tensor], seeds: Sequence[torch.Tensor],
-                 leaves: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> None:
+                 leaves: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
+                 template: "Template | None" = None) -> None:
         self.tensors, self.seeds = list(tensors), list(seeds)
         self.leaves, self.params = list(leaves), list(params)
         self.groups: list[tuple[list[Node], list[int]]] = []  # (restart nodes, indices of their params)
         # Groups that are one Linear: (its matmul node, index of the weight, of the bias or None).
         self.linears: list[tuple[Node, int, int | None]] = []
         self.captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
-        self.split = self._plan()
+        self.split = (template is not None and self._follow(template)) or self._plan()
+
+    @property
+    def template(self) -> "Template | None":
+        """Where the plan is Linears alone: the (weight, bias) indices of the Linear at
+        each matmul node that a walk down the graph meets, in the walk's order (None for
+        a matmul of no Linear). The next micro-batch of the same stage program, whose
+        graph has the same shape, follows it (``template=``) instead of planning again.
+        It holds no node, so no micro-batch's graph outlives its backward."""
+        if not self.split or self.groups or not self.linears:
+            return None
+        at = {node: (w, b) for node, w, b in self.linears}
+        return tuple(at.get(node) for node in _matmuls(self.tensors))
+
+    def _follow(self, template: "Template") -> bool:
+        """The plan of a graph shaped as the one ``template`` came from (a stage
+        program's fx graph has no control flow, so each micro-batch's has one shape): its
+        matmul nodes met in the same order, each reading the same weight. False, and
+        nothing kept, where they differ: then ``_plan``."""
+        nodes = _matmuls(self.tensors)
+        if len(nodes) != len(template) or not self.leaves:
+            return False
+        linears = []
+        for node, entry in zip(nodes, template):
+            if entry is not None:
+                w, b = entry
+                t_fn = node.next_functions[2 if node.name() == "AddmmBackward0" else 1][0]
+                if t_fn is None or getattr(t_fn.next_functions[0][0], "variable", None) is not self.params[w]:
+                    return False
+                linears.append((node, w, b))
+        self.linears = linears
+        return True
 
     def _plan(self) -> bool:
         """Find each parameter's restart nodes; False when the graph cannot be split."""
