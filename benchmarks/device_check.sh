@@ -59,4 +59,4 @@ fi
 cat "$OUT/machine.txt" "$OUT/bubble.md" "$OUT/spin-off.md" "$OUT/padded.md" "$OUT/hand-off.md"
 tail -3 "$OUT/demo.log"
 grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/cuda.log"
-[ -f "$OUT/bench-pipeline.md" ] && tail -15 "$OUT/bench-pipeline.md"
+if [ -f "$OUT/bench-pipeline.md" ]; then tail -15 "$OUT/bench-pipeline.md"; fi
