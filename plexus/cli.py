@@ -126,7 +126,8 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
           help="how the cut is chosen: equal node counts, balanced parameters (default), profiled time, or "
                "--split-points")
     _flag(g, "split-points", metavar="NAME[,NAME...]",
-          help="--partition manual: fx node or module names, each starting a stage")
+          help="--partition manual: fx node or module names, each starting a stage (under --schedule "
+               "interleaved a model chunk: K x V - 1 names)")
     _flag(g, "stage-memory", metavar="SIZE", help="bytes each stage's process may hold, e.g. 2GB or 512MB")
     _flag(g, "tensor-parallel", type=int, metavar="T",
           help="split each stage's large Linear and Conv layers across T processes (default 1)")
