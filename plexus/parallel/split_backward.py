@@ -81,7 +81,7 @@ class SplitBackward:
 
     def __init__(self, tensors: Sequence[torch.Tensor], seeds: Sequence[torch.Tensor],
                  leaves: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
-                 template: "Template | None" = None) -> None:
+                 template: Template | None = None) -> None:
         self.tensors, self.seeds = list(tensors), list(seeds)
         self.leaves, self.params = list(leaves), list(params)
         self.groups: list[tuple[list[Node], list[int]]] = []  # (restart nodes, indices of their params)
@@ -91,7 +91,7 @@ class SplitBackward:
         self.split = (template is not None and self._follow(template)) or self._plan()
 
     @property
-    def template(self) -> "Template | None":
+    def template(self) -> Template | None:
         """Where the plan is Linears alone: the (weight, bias) indices of the Linear at
         each matmul node that a walk down the graph meets, in the walk's order (None for
         a matmul of no Linear). The next micro-batch of the same stage program, whose
@@ -102,7 +102,7 @@ class SplitBackward:
         at = {node: (w, b) for node, w, b in self.linears}
         return tuple(at.get(node) for node in _matmuls(self.tensors))
 
-    def _follow(self, template: "Template") -> bool:
+    def _follow(self, template: Template) -> bool:
         """The plan of a graph shaped as the one ``template`` came from (a stage
         program's fx graph has no control flow, so each micro-batch's has one shape): its
         matmul nodes met in the same order, each reading the same weight. False, and
