@@ -112,7 +112,7 @@ def make_plan(cfg: JobConfig, model: torch.nn.Module, sample: torch.Tensor,
                            bandwidth=cfg.cluster.net.bandwidth, latency=cfg.cluster.net.latency,
                            chunks=cfg.parallel.chunks)
     if cfg.parallel.chunks > 1:  # a cut interleaved cannot run (a value between one process's chunks) is
-        join_chunks(build_stages(graph, plan), cfg.parallel.stages)  # refused here, before processes start
+        join_chunks(build_stages(graph, plan, share=True), cfg.parallel.stages)  # refused before processes start
     if method == "time":
         plan = price_plan(graph, plan, sample, optimizer, microbatches=cfg.parallel.microbatches)
     return graph, plan
