@@ -22,6 +22,7 @@ from plexus.cluster.spawn import spawn
 from plexus.cluster.traffic import Traffic
 from plexus.errors import CommTimeout, ConfigError, PeerLost, ProtocolError
 from plexus.train.runner import spin_seconds
+from test_cluster import wait_until
 
 
 @pytest.fixture
@@ -246,7 +247,7 @@ def test_closing_a_link_ends_a_wait_on_it_in_another_thread(shm_dir, either_wait
 
     waiter = threading.Thread(target=wait)
     waiter.start()
-    _until(lambda: b.shm._reading)  # the waiter reads the FIFO: inside poll(), or polling it busily
+    assert wait_until(lambda: b.shm._reading, 10)  # the waiter reads the FIFO: inside poll(), or polling it
     started = time.monotonic()
     b.close()
     waiter.join(timeout=10)
@@ -275,20 +276,12 @@ class _Counting:
         return self.inner.poll(*args)
 
 
-def _until(condition, seconds: float = 10.0) -> None:
-    """Wait for ``condition()`` to hold, failing the test after ``seconds``."""
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "the condition did not come"
-        time.sleep(0.001)
-
-
 def test_a_spinning_receive_reads_its_message_without_sleeping_in_poll(shm_dir, spinning):
     a, b = link_pair("shm")
     b.shm._poll_in = _NoSleep()
 
     def send_once_polling() -> None:  # the receive polls the FIFO by now (it holds the one spin)
-        _until(shm_channel._spinner.locked)
+        assert wait_until(shm_channel._spinner.locked, 10)
         a.send_to_peer(torch.full((1000,), 7.0))
 
     sender = threading.Thread(target=send_once_polling)
