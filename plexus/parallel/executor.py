@@ -475,9 +475,9 @@ class StageExecutor:
                         tag="" if edge else "gather", transport=cfg.cluster.transport)
             (self.links if edge else self.gather_links)[peer] = link
         self._anchor = torch.zeros((), device=device, requires_grad=True)
-        self._linear_only: dict[int, bool] = {}  # per chunk: whether W can be matrix products alone
         # Per chunk: the shape of its split plan where it is Linears alone, which the next
-        # micro-batches' plans follow (SplitBackward.template); None where it is not.
+        # micro-batches' plans follow (SplitBackward.template); None where it is not, and
+        # then W cannot be matrix products alone (``_linear_backward``).
         self._templates: dict[int, Template | None] = {}
         self._sends: list[Work] = []
         self._sent: list[str] = []  # producers whose gradients come back, in _Exchange's order
@@ -737,13 +737,11 @@ class StageExecutor:
         autograd writing a new gradient that is then added, about a third of a 1024-wide
         layer's weight gradient on a CPU core. None where the graph has other parameters
         or cannot be split; the answer is kept per chunk, whose graph is the same at
-        every micro-batch."""
-        if self._linear_only.get(chunk) is False:
+        every micro-batch: a chunk whose first plan left no template is not Linears alone."""
+        if chunk in self._templates and self._templates[chunk] is None:
             return None
         backward = self._split_backward(chunk, mb, tensors, seeds, leaves, params)
-        usable = backward.split and not backward.groups and bool(backward.linears)
-        self._linear_only[chunk] = usable
-        return backward if usable else None
+        return backward if backward.split and not backward.groups and backward.linears else None
 
     def _split_backward(self, chunk: int, mb: "_Microbatch", tensors: list[torch.Tensor],
                         seeds: list[torch.Tensor], leaves: list[tuple[Transfer, torch.Tensor]],
