@@ -114,7 +114,7 @@ class SplitBackward:
         for node, entry in zip(nodes, template):
             if entry is not None:
                 w, b = entry
-                t_fn = node.next_functions[2 if node.name() == "AddmmBackward0" else 1][0]
+                t_fn = self._transposed(node)
                 if t_fn is None or getattr(t_fn.next_functions[0][0], "variable", None) is not self.params[w]:
                     return False
                 linears.append((node, w, b))
@@ -190,11 +190,12 @@ class SplitBackward:
         if name == "AddmmBackward0":
             if getattr(node, "_saved_alpha", None) != 1 or getattr(node, "_saved_beta", None) != 1:
                 return None
-            bias_fn, t_fn = node.next_functions[0][0], node.next_functions[2][0]
+            bias_fn = node.next_functions[0][0]
         elif name == "MmBackward0":
-            bias_fn, t_fn = None, node.next_functions[1][0]
+            bias_fn = None
         else:
             return None
+        t_fn = self._transposed(node)
         if t_fn is None or t_fn.name() != "TBackward0" or not hasattr(t_fn.next_functions[0][0], "variable"):
             return None
         weight = t_fn.next_functions[0][0].variable
@@ -205,6 +206,11 @@ class SplitBackward:
         if len(indices) != 1 + (bias is not None) or self._input(node).dim() != 2:
             return None
         return node, at[id(weight)], None if bias is None else at[id(bias)]
+
+    @staticmethod
+    def _transposed(node: Node) -> Node | None:
+        """The node of ``W.t()`` that a Linear's matmul node (addmm or mm) multiplies by."""
+        return node.next_functions[2 if node.name() == "AddmmBackward0" else 1][0]
 
     @staticmethod
     def _input(node: Node) -> torch.Tensor:
