@@ -3,11 +3,12 @@ Link, and the receive of a message that has already arrived, for a micro-batch's
 activations (rows x 1024 float32), measured warm (back to back) and right after a stage's
 work (three 1024-wide matrix products, which leave the caches cold, as in a pipeline),
 beside the floor: the copy into the ring and the token's write alone. Then a 1024-wide
-Linear's three products at the same rows, one thread: the forward (``F.linear``, x W^T),
-B's input gradient (dY W) and W's weight gradient added into an accumulator (dY^T X),
-and what B's split plan (``SplitBackward``, made for every micro-batch before its sends)
-costs on a stage of two and of four such layers, planned and following the first
-micro-batch's plan.
+Linear's three products at the same rows, one thread: the forward (``F.linear``, x W^T;
+and the same product from a row-major copy of W^T, since some CPUs' GEMMs are slower with a
+transposed operand), B's input gradient (dY W) and W's weight gradient added into an
+accumulator (dY^T X), and what B's split plan (``SplitBackward``, made for every
+micro-batch before its sends) costs on a stage of two and of four such layers, planned and
+following the first micro-batch's plan.
 
     python benchmarks/hand_off.py              # about 40 seconds
 
@@ -93,15 +94,18 @@ def main() -> None:
     a.close(), b.close()
     os.close(rfd), os.close(wfd)
     print()
-    print("| rows | forward x W^T ms | B: dY W ms | W: acc += dY^T X ms | forward / B |")
-    print("|---:|---:|---:|---:|---:|")
+    print("| rows | forward x W^T ms | forward from a copy of W^T ms | B: dY W ms | W: acc += dY^T X ms "
+          "| forward / B |")
+    print("|---:|---:|---:|---:|---:|---:|")
     bias, acc = torch.randn(WIDTH), torch.zeros(WIDTH, WIDTH)
+    weight_t = weight.t().contiguous()  # the same product with both operands row-major
     for rows in (int(r) for r in args.rows.split(",")):
         x, dy = torch.randn(rows, WIDTH), torch.randn(rows, WIDTH)
         f = _time_ms(lambda: torch.nn.functional.linear(x, weight, bias))
+        f_copy = _time_ms(lambda: torch.addmm(bias, x, weight_t))
         bw = _time_ms(lambda: torch.mm(dy, weight))
         w = _time_ms(lambda: acc.addmm_(dy.t(), x))
-        print(f"| {rows} | {f:.3f} | {bw:.3f} | {w:.3f} | {f / bw:.2f} |", flush=True)
+        print(f"| {rows} | {f:.3f} | {f_copy:.3f} | {bw:.3f} | {w:.3f} | {f / bw:.2f} |", flush=True)
     print()
     print("| Linear + ReLU layers in the stage | B's split plan us (SplitBackward, before its sends) "
           "| following the first micro-batch's plan us |")
