@@ -14,7 +14,8 @@
 # spin-off.md, padded.md, bubble.log, hand-off.md and, with BENCH=1, bench-pipeline.md. On
 # the H200 machine (2026-11-26) the CUDA path took about 1.5 minutes, STAGES=3 under 3 and
 # STAGES=2 about 4 (each run of a row starts its processes afresh), the bench about 4; the
-# spin-off and padded rows add about 2: keep one call under its 10 minutes.
+# spin-off and padded rows add about 2: keep one call under its 10 minutes (the whole script
+# at STAGES=3 took 8.4 minutes there on 2026-11-28, the lease's start another half minute).
 #
 #     OUT=/tmp/x bash benchmarks/device_check.sh
 set -u
