@@ -11,7 +11,10 @@ Rules (pure; the runner feeds them, tests drive them directly):
 - stalled: once ``fraction`` of the run has passed (and at least ``2 * window`` steps),
   the mean loss of the last ``window`` steps is no better than at the start (above
   ``1 - min_gain`` times the mean of the first ``window`` losses), or no better than
-  chance (above ``1 - min_gain`` times ln(classes), the loss of a uniform guess);
+  chance (above ``1 - min_gain`` times ln(classes), the loss of a uniform guess), at
+  ``window`` steps in a row: a plateau that the loss leaves within them is not announced
+  (short runs' early plateaus used to warn at their first judged step, then say "learning
+  again" a few steps later);
 - a stalled run that falls below both bars again is ``ok`` again (a slow start is not a
   stall); diverging stays;
 - the summary also calls a run stalled whose final test accuracy is within
@@ -52,6 +55,7 @@ class Health:
     def __post_init__(self) -> None:
         self._first: list[float] = []
         self._recent: deque[float] = deque(maxlen=self.window)
+        self._below = 0  # judged steps in a row at which the loss has been no better than its bars
 
     @property
     def chance_loss(self) -> float | None:
@@ -71,7 +75,8 @@ class Health:
             bar = 1.0 - self.min_gain
             chance = self.chance_loss
             stalled = recent > bar * start or (chance is not None and recent > bar * chance)
-            if stalled and self.state == "ok":
+            self._below = self._below + 1 if stalled else 0
+            if self._below >= self.window and self.state == "ok":
                 return self._become("stalled", step)
             if not stalled and self.state == "stalled":
                 return self._become("ok", step)
