@@ -106,7 +106,10 @@ class SplitBackward:
         """The plan of a graph shaped as the one ``template`` came from (a stage
         program's fx graph has no control flow, so each micro-batch's has one shape): its
         matmul nodes met in the same order, each reading the same weight. False, and
-        nothing kept, where they differ: then ``_plan``."""
+        nothing kept, where they differ: then ``_plan``. It checks the weight alone, not
+        the rest of ``_linear`` (alpha and beta, the bias, the dimensions), which one fx
+        program's graphs repeat: asking ``_linear`` of each node made a followed plan
+        15-30 us dearer here (65-89 against 47-59 us for two layers), before B's sends."""
         nodes = _matmuls(self.tensors)
         if len(nodes) != len(template) or not self.leaves:
             return False
