@@ -91,6 +91,24 @@ def test_synchronous_configurations_keep_the_global_defaults(flat):
     assert not is_asynchronous(cfg.to_flat())
 
 
+@pytest.mark.parametrize("schedule, microbatches", [("pipedream", 1), ("pipedream-2bw", 4)])
+def test_asynchronous_pipelines_keep_momentum_unless_their_delay_goes_uncompensated(schedule, microbatches):
+    """Delay compensation (the default) scales each stage's rate for its delay, so momentum
+    stays 0.9; PipeDream's plain rule (--no-delay-compensation) takes 0.5, and 0.9 set by
+    the user there is named as a risk, but not under compensation."""
+    flat = {"stages": 3, "schedule": schedule, "microbatches": microbatches}
+    cfg = build(flat)
+    assert (cfg.optim.lr, cfg.optim.momentum, cfg.source("momentum")) == (0.1, 0.9, "default")
+    plain = build({**flat, "delay_compensation": False})
+    assert plain.optim.momentum == 0.5
+    assert plain.source("momentum") == f"default for {schedule} --no-delay-compensation"
+    risky = build({**flat, "delay_compensation": False, "momentum": 0.9})
+    (line,) = risks(risky.to_flat(), risky.sources)
+    assert f"momentum 0.9 (flag) under --schedule {schedule} --no-delay-compensation" in line
+    chosen = build({**flat, "momentum": 0.9})
+    assert risks(chosen.to_flat(), chosen.sources) == []
+
+
 def test_ssp_gets_a_bound_and_then_counts_as_asynchronous():
     cfg = build({"strategy": "ps", "consistency": "ssp", "workers": 4})
     assert cfg.strategy.staleness == 2 and cfg.source("staleness") == "default for ps/ssp"

@@ -7,7 +7,9 @@ computed in one process on the whole model: step t applies, on each stage s, the
 of mini-batch t's loss taken with every stage's weights at the version its forward used,
 with the stage's optimizer. PipeDream: version t-(K-1-s), or t-(K-1) everywhere under
 --vertical-sync; 2BW: t-1 everywhere (Narayanan et al. 2021's W(t+1) = W(t) - lr
-grad f(W(t-1))), the gradient accumulated over M micro-batches. The
+grad f(W(t-1))), the gradient accumulated over M micro-batches. With delay compensation
+(the default), a stage D steps behind (D = K-1-s, K-1, or 1) steps with lr / (1 + 2D)
+and its version v's weights are those predicted D steps on, W(v) + D (W(v) - W(v-1)). The
 stashed weights also give the unit-level check: a backward differentiates the weights its
 forward ran on, not the ones stepped since, and the two gradients differ."""
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 from plexus.config import JobConfig
 from plexus.parallel.executor import make_plan
 from plexus.parallel.stages import build_stages
-from plexus.parallel.stash import WeightStash
+from plexus.parallel.stash import WeightStash, delay_lr_scale
 from plexus.strategies.base import make_optimizer
 from plexus.train.batches import GlobalBatches
 from plexus.train.data import load_dataset
@@ -67,18 +69,56 @@ def test_a_stashed_backward_differentiates_the_forwards_weights():
     assert (results[False][0] - want_old[0]).norm() > 0.1 * want_old[0].norm()
 
 
+def test_a_stash_ahead_predicts_each_version_from_the_last_step():
+    """With ``ahead`` = D, version v's copy is W(v) + D (W(v) - W(v-1)) (the change per
+    step when versions were skipped), version 0's the weights as they are, and the live
+    weights are untouched; the stage's lr is scaled by 1 / (1 + 2D)."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 2)
+    stash, history = WeightStash(net, ahead=2), []
+
+    def step(size: float) -> None:
+        history.append([p.detach().clone() for p in net.parameters()])
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(size)
+
+    stash.keep(0)
+    step(0.5)
+    stash.keep(1)
+    step(0.25)
+    step(0.25)
+    stash.keep(3)
+    history.append([p.detach().clone() for p in net.parameters()])
+    for got, w in zip(stash.copies[0], history[0]):
+        torch.testing.assert_close(got, w)
+    for got, w in zip(stash.copies[1], history[1]):
+        torch.testing.assert_close(got, w + 1.0)  # the last step (+0.5) twice more
+    for got, w in zip(stash.copies[3], history[3]):
+        torch.testing.assert_close(got, w + 0.5)  # +0.25 a step over versions 1 to 3
+    for got, w in zip(stash.live, history[3]):
+        torch.testing.assert_close(got.detach(), w)
+    assert [delay_lr_scale(d) for d in (0, 1, 2, 3)] == [1.0, 1 / 3, 1 / 5, 1 / 7]
+
+
 def _reference(tmp_path, steps: int, stages: int, vertical_sync: bool = False, schedule: str = "pipedream",
-               **flat) -> dict[str, torch.Tensor]:
+               delay_compensation: bool = True, **flat) -> dict[str, torch.Tensor]:
     """The update rule of ``schedule`` in one process (see the module docstring), on the
     whole model: each parameter takes, at step t, the version of its stage that
-    mini-batch t's forward used."""
+    mini-batch t's forward used (predicted ahead under ``delay_compensation``)."""
     cfg = JobConfig.from_flat({**BASE, **flat, "steps": steps, "stages": stages, "schedule": schedule,
-                               "vertical_sync": vertical_sync, "out": str(tmp_path / "reference")})
+                               "vertical_sync": vertical_sync, "delay_compensation": delay_compensation,
+                               "out": str(tmp_path / "reference")})
 
-    def version(t: int, s: int) -> int:
+    def delay(s: int) -> int:
         if schedule == "pipedream-2bw":
-            return max(0, t - 1)
-        return max(0, t - (stages - 1 if vertical_sync else stages - 1 - s))
+            return 1
+        return stages - 1 if vertical_sync else stages - 1 - s
+
+    def weight(t: int, s: int, name: str) -> torch.Tensor:
+        v, d = max(0, t - delay(s)), delay(s) if delay_compensation else 0
+        w = history[v][name]
+        return w + d * (w - history[v - 1][name]) if d and v > 0 else w
 
     data = load_dataset(cfg.data, cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
@@ -90,12 +130,14 @@ def _reference(tmp_path, steps: int, stages: int, vertical_sync: bool = False, s
     model = build_model(cfg.model, data)
     params = dict(model.named_parameters())
     assert stage_of.keys() == params.keys()
-    optimizer = make_optimizer(list(params.values()), cfg.optim)
+    scale = [1 / (1 + 2 * delay(s)) if delay_compensation else 1.0 for s in range(stages)]
+    optimizer = make_optimizer([{"params": [p for name, p in params.items() if stage_of[name] == s],
+                                 "lr": cfg.optim.lr * scale[s]} for s in range(stages)], cfg.optim)
     history = [{name: p.detach().clone() for name, p in params.items()}]  # version v: after v steps
     batches = GlobalBatches(len(data.x_train), cfg.run.batch_size, cfg.run.seed)
     for t in range(steps):
         idx = batches.worker_indices(t, 0, 1)
-        weights = {name: history[version(t, s)][name].clone().requires_grad_(True) for name, s in stage_of.items()}
+        weights = {name: weight(t, s, name).clone().requires_grad_(True) for name, s in stage_of.items()}
         loss = F.cross_entropy(torch.func.functional_call(model, weights, (data.x_train[idx],)), data.y_train[idx])
         for p, g in zip(params.values(), torch.autograd.grad(loss, list(weights.values()))):
             p.grad = g
@@ -106,19 +148,26 @@ def _reference(tmp_path, steps: int, stages: int, vertical_sync: bool = False, s
 
 @pytest.mark.slow
 @pytest.mark.parallel
-@pytest.mark.parametrize("stages, vertical_sync", [(2, False), (3, False), (4, False), (3, True)],
-                         ids=["K2", "K3", "K4", "K3-vertical-sync"])
-def test_pipedream_applies_its_update_rule(stages, vertical_sync, tmp_path):
+@pytest.mark.parametrize("stages, vertical_sync, compensation",
+                         [(2, False, True), (3, False, True), (4, False, True), (3, True, True), (3, False, False),
+                          (3, True, False)],
+                         ids=["K2", "K3", "K4", "K3-vertical-sync", "K3-uncompensated", "K3-vertical-uncompensated"])
+def test_pipedream_applies_its_update_rule(stages, vertical_sync, compensation, tmp_path):
     """K stages, momentum SGD, 20 steps: the pipeline's model is the one-process
-    reference's to float32 rounding; each stage holds K - k inputs, stage 0 K weight
-    versions, and the pipeline never flushes (each edge one message per step)."""
+    reference's to float32 rounding, with delay compensation and without; each stage
+    holds K - k inputs, stage 0 K weight versions, and the pipeline never flushes (each
+    edge one message per step)."""
     flat = dict(model="deep-mlp", momentum=0.9)
     summary, got = _train(tmp_path, "pipe", stages=stages, schedule="pipedream", vertical_sync=vertical_sync,
-                          **flat)
-    assert_same_model(got, _reference(tmp_path, BASE["steps"], stages, vertical_sync, **flat))
+                          delay_compensation=compensation, **flat)
+    assert_same_model(got, _reference(tmp_path, BASE["steps"], stages, vertical_sync,
+                                      delay_compensation=compensation, **flat))
     pipeline = summary["pipeline"]
-    assert (pipeline["schedule"], pipeline["weight_stashing"], pipeline["vertical_sync"]) == \
-        ("pipedream", True, vertical_sync)
+    assert (pipeline["schedule"], pipeline["weight_stashing"], pipeline["vertical_sync"],
+            pipeline["delay_compensation"]) == ("pipedream", True, vertical_sync, compensation)
+    delays = [(stages - 1 if vertical_sync else stages - 1 - k) if compensation else 0 for k in range(stages)]
+    assert pipeline["predicted_ahead"] == delays
+    assert pipeline["lr_scale"] == [1 / (1 + 2 * d) for d in delays]
     assert {s["stage"]: s["max_in_flight"] for s in summary["stages"]} == {k: stages - k for k in range(stages)}
     assert pipeline["weight_versions"] == stages
     assert summary["traffic_matches_plan"] is True
@@ -127,17 +176,21 @@ def test_pipedream_applies_its_update_rule(stages, vertical_sync, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parallel
-@pytest.mark.parametrize("stages, microbatches", [(2, 2), (3, 4), (4, 4)])
-def test_pipedream_2bw_applies_its_update_rule(stages, microbatches, tmp_path):
+@pytest.mark.parametrize("stages, microbatches, compensation", [(2, 2, True), (3, 4, True), (4, 4, True),
+                                                                 (3, 4, False)],
+                         ids=["K2-M2", "K3-M4", "K4-M4", "K3-M4-uncompensated"])
+def test_pipedream_2bw_applies_its_update_rule(stages, microbatches, compensation, tmp_path):
     """2BW over K stages, M micro-batches a batch, momentum SGD, 20 steps: the model of
-    W(t+1) = W(t) - lr grad f(W(t-1)) computed in one process; two weight versions
-    copied at most, K - k micro-batches held on stage k, one message per micro-batch."""
+    W(t+1) = W(t) - lr grad f(W(t-1)) computed in one process (each stage one step ahead
+    and lr / 3 with delay compensation); two weight versions copied at most, K - k
+    micro-batches held on stage k, one message per micro-batch."""
     flat = dict(model="deep-mlp", momentum=0.9)
     summary, got = _train(tmp_path, "pipe", stages=stages, microbatches=microbatches, schedule="pipedream-2bw",
-                          **flat)
+                          delay_compensation=compensation, **flat)
     assert_same_model(got, _reference(tmp_path, BASE["steps"], stages, schedule="pipedream-2bw",
-                                      microbatches=microbatches, **flat))
+                                      microbatches=microbatches, delay_compensation=compensation, **flat))
     assert summary["pipeline"]["weight_versions"] == 2
+    assert summary["pipeline"]["predicted_ahead"] == [1 if compensation else 0] * stages
     assert {s["stage"]: s["max_in_flight"] for s in summary["stages"]} == {k: stages - k for k in range(stages)}
     assert summary["traffic_matches_plan"] is True
     assert all(row["messages_sent"] == BASE["steps"] * microbatches for row in summary["stage_traffic"])
@@ -156,7 +209,7 @@ def test_without_weight_stashing_the_update_is_another(tmp_path):
     assert worst > 1e-3
 
 
-MNIST1D_PIPELINE = dict(dataset="mnist1d", model="mlp", stages=3, steps=2400, quiet=True, no_report=True,
+MNIST1D_PIPELINE = dict(dataset="mnist1d", model="mlp", stages=3, steps=1200, quiet=True, no_report=True,
                         eval_every=0, seed=0)
 
 
@@ -178,15 +231,16 @@ def mnist1d_1f1b(once):
 def test_pipedream_learns_mnist1d_as_the_synchronous_pipeline_does(schedule, mnist1d_1f1b, tmp_path):
     """At equal samples (the same steps of the same batches), pipedream's accuracy is at
     least 0.9x that of the 1f1b pipeline over the same stages, each with its defaults
-    (momentum 0.5 against 0.9). 2400 steps: gradients up to 2 steps stale and the lower
-    momentum slow the start, to 0.88x at 1200 steps (0.623 against 0.708; 2bw 0.895x),
-    and 0.93x at 2400 (0.695 against 0.745; 2bw 0.94x)."""
+    (both momentum 0.9; the asynchronous ones delay compensated). 1200 steps, seed 0:
+    pipedream 0.694 against 0.707 (0.98x), 2bw 0.655 (0.93x); without compensation, at
+    momentum 0.5, pipedream reached 0.624 (0.88x) and 2bw 0.895x."""
     from plexus.train.job import run
     sync = mnist1d_1f1b
     piped = run({**MNIST1D_PIPELINE, "schedule": schedule, "microbatches": 4 if schedule == "pipedream-2bw" else 1,
                  "out": str(tmp_path / schedule)})
-    assert piped["settings"]["momentum"] == {"value": 0.5, "source": f"default for {schedule}"}
-    assert piped["steps"] == sync["steps"] == 2400
+    assert piped["settings"]["momentum"] == {"value": 0.9, "source": "default"}
+    assert piped["pipeline"]["delay_compensation"] is True
+    assert piped["steps"] == sync["steps"] == 1200
     assert piped["final_test_accuracy"] >= 0.9 * sync["final_test_accuracy"] > 0.3
 
 
@@ -195,9 +249,9 @@ def test_pipedream_learns_mnist1d_as_the_synchronous_pipeline_does(schedule, mni
 @pytest.mark.parametrize("model, stages", [("deep-mlp", 3), ("cnn", 3), ("mlp", 4)])
 def test_asynchronous_pipelines_learn_digits_with_their_defaults(model, stages, tmp_path):
     """With only the flags that select them, pipedream and 2bw learn every built-in dense
-    model over 3-4 stages at the default 300 steps. Under momentum 0.9 each of these sat
-    at chance or diverged (docs/results/pipedream-defaults.md); at momentum 0.5, seed 0,
-    pipedream reached 0.94-0.98 (0.98-1.0x the 1f1b pipeline) and 2bw 0.70-0.97."""
+    model over 3-4 stages at the default 300 steps. Under momentum 0.9 without delay
+    compensation each of these sat at chance or diverged (docs/results/pipedream-defaults.md);
+    with it (the default), seed 0, pipedream reached 0.97-0.98 and 2bw 0.96-0.98."""
     from plexus.train.job import run
     flat = dict(model=model, stages=stages, quiet=True, no_report=True, eval_every=0, seed=0)
     sync = run({**flat, "microbatches": 4, "out": str(tmp_path / "1f1b")})
@@ -258,6 +312,8 @@ def test_an_asynchronous_pipeline_stops_on_time_over_sockets(schedule, tmp_path)
     (["--schedule", "pipedream"], ("schedule pipelines the stages of --stages K",)),
     (["--stages", "2", "--microbatches", "4", "--vertical-sync"], ("vertical_sync applies to --schedule pipedream",)),
     (["--stages", "2", "--microbatches", "4", "--no-weight-stashing"], ("weight_stashing can be turned off only",)),
+    (["--stages", "2", "--microbatches", "4", "--no-delay-compensation"],
+     ("delay_compensation can be turned off only under --schedule pipedream or pipedream-2bw",)),
     (["--stages", "2", "--schedule", "pipedream", "--no-weight-stashing", "--vertical-sync"],
      ("vertical_sync keeps old weight versions",)),
     (["--stages", "4", "--schedule", "pipedream-2bw", "--microbatches", "2"],
@@ -278,5 +334,7 @@ def test_the_report_names_an_asynchronous_pipelines_mini_batches_and_stashing():
             "bubble_simulated": 0.1, "max_in_flight": 3, "peak_activation_bytes": 2**20}
     line = pipeline_line({"pipeline": {**base, "minibatches": 600, "weight_stashing": False, "vertical_sync": True}})
     assert line.startswith("pipedream over 600 mini-batches, never flushed, weight stashing off, vertical sync:")
+    line = pipeline_line({"pipeline": {**base, "minibatches": 600, "weight_stashing": True, "delay_compensation": True}})
+    assert line.startswith("pipedream over 600 mini-batches, never flushed, weight stashing on, delay compensated:")
     assert pipeline_line({"pipeline": {**base, "schedule": "1f1b", "microbatches": 4}}).startswith(
         "1f1b over 4 micro-batches:")

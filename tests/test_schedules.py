@@ -14,7 +14,7 @@ import pytest
 
 from plexus.errors import ConfigError
 from plexus.parallel.schedules import (SCHEDULES, GPipe, Interleaved, OneFOneB, Op, PipeDream, PipeDream2BW, Schedule,
-                                       ScheduleError, ZeroBubbleH1, make_schedule, simulate)
+                                       ScheduleError, ZeroBubbleH1, compensated_delay, make_schedule, simulate)
 
 
 def rows(schedule: Schedule) -> list[str]:
@@ -136,6 +136,31 @@ def test_pipedream_2bw_keeps_two_versions_with_one_stale_gradients():
         bw = PipeDream2BW(stages=k, microbatches=m, minibatches=5)
         bw.check()
         assert max(bw.max_versions(s) for s in range(k)) == 2
+
+
+@pytest.mark.parametrize("schedule", list(valid_schedules()), ids=lambda s: f"{s.name}-K{s.stages}-M{s.microbatches}"
+                         f"-v{s.chunks}")
+def test_delay_is_the_steps_between_a_gradients_weights_and_its_step(schedule):
+    """``Schedule.delay``: once the pipeline is full, the steps a stage has applied when a
+    backward runs, less the version its forward used (0 for the synchronous schedules);
+    never more while it fills."""
+
+    def gaps(schedule: Schedule, s: int) -> list[int]:
+        steps, out = 0, []
+        for op in schedule.ops(s):
+            if op.kind == "B":
+                out.append(steps - op.version)
+            steps += op.step
+        return out
+
+    for s in range(schedule.stages):
+        assert max(gaps(schedule, s)) <= schedule.delay(s)
+    for full in (PipeDream(stages=4, microbatches=8), PipeDream(stages=4, microbatches=8, vertical_sync=True),
+                 PipeDream2BW(stages=4, microbatches=4, minibatches=4)):
+        assert [gaps(full, s)[-1] for s in range(4)] == [full.delay(s) for s in range(4)]
+    assert compensated_delay("pipedream", 4, 1) == 2 and compensated_delay("pipedream", 4, 1, vertical_sync=True) == 3
+    assert compensated_delay("pipedream-2bw", 4, 3) == 1 and compensated_delay("1f1b", 4, 0) == 0
+    assert compensated_delay("pipedream", 4, 0, compensation=False) == 0
 
 
 @pytest.mark.parametrize("schedule", list(valid_schedules()), ids=lambda s: f"{s.name}-K{s.stages}-M{s.microbatches}"

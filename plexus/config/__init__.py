@@ -158,6 +158,12 @@ class ParallelConfig:
     # (weight stashing). False (--no-weight-stashing) backpropagates with the newest
     # weights instead, which gives no model's gradient: only to measure what stashing buys.
     weight_stashing: bool = True
+    # Asynchronous schedules: compensate each stage's delay D (the optimizer steps between
+    # the weights its forwards use and those its gradients are applied to: K-1-k on stage k
+    # under pipedream, K-1 under --vertical-sync, 1 under 2bw): the stage's lr is divided
+    # by 1 + 2D, and its forwards run on the weights the last step predicts D steps ahead
+    # (linear weight prediction). False (--no-delay-compensation): PipeDream's plain rule.
+    delay_compensation: bool = True
 
     def __post_init__(self) -> None:
         _require(self.stages >= 1, "stages", "must be at least 1", self.stages, "pass --stages 2")
@@ -199,6 +205,10 @@ class ParallelConfig:
                  "can be turned off only under --schedule pipedream (the other schedules step once no "
                  "backward is pending, so their weights never change under one)", self.weight_stashing,
                  "drop --no-weight-stashing")
+        _require(self.delay_compensation or asynchronous, "delay_compensation",
+                 "can be turned off only under --schedule pipedream or pipedream-2bw (the synchronous schedules "
+                 "compute every gradient on the weights it is applied to)", self.delay_compensation,
+                 "drop --no-delay-compensation")
         _require(self.weight_stashing or not self.vertical_sync, "vertical_sync",
                  "keeps old weight versions for the forwards, which needs weight stashing", self.vertical_sync,
                  "drop --no-weight-stashing or --vertical-sync")

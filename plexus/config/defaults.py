@@ -72,6 +72,12 @@ def _is_stale_pipeline(flat: Mapping[str, Any]) -> bool:
     return _get(flat, "schedule") in ("pipedream", "pipedream-2bw")
 
 
+def _is_uncompensated_pipeline(flat: Mapping[str, Any]) -> bool:
+    """A stale pipeline whose stages step on their stale gradients as they are
+    (--no-delay-compensation): the momentum they take by default differs."""
+    return _is_stale_pipeline(flat) and not _get(flat, "delay_compensation")
+
+
 def _label(flat: Mapping[str, Any]) -> str:
     return f"{_get(flat, 'strategy')}/{_get(flat, 'consistency')}"
 
@@ -135,14 +141,14 @@ TABLE: tuple[Rule, ...] = (
          values={"momentum": 0.0, "lr": 0.2},
          why="asynchrony acts as momentum (Mitliagkas et al. 2016): server momentum 0.9 on top of it left "
              "ps asp at chance (10 %) in the sweep; without momentum, twice the synchronous rate"),
-    Rule(label=lambda flat: _get(flat, "schedule"),
-         applies=lambda flat: _is_stale_pipeline(flat) and _get(flat, "optimizer") == "sgd",
+    Rule(label=lambda flat: f"{_get(flat, 'schedule')} --no-delay-compensation",
+         applies=lambda flat: _is_uncompensated_pipeline(flat) and _get(flat, "optimizer") == "sgd",
          values={"momentum": 0.5},
          why="a stage of an asynchronous pipeline steps on gradients of weights up to K - 1 steps old "
-             "(pipedream) or one step old (2bw), which acts as momentum too: with 0.9 on top, pipedream "
-             "and 2bw ended at or near chance, or diverged, on digits with cnn over 3-4 stages, mlp over 4 and "
-             "deep-mlp over 2-4; 0.5 learned every one, 0.7 still failed deep-mlp over 3-4 "
-             "(docs/results/pipedream-defaults.md)"),
+             "(pipedream) or one step old (2bw), which acts as momentum too: without delay compensation "
+             "and with 0.9 on top, pipedream and 2bw ended at or near chance, or diverged, on digits with "
+             "cnn over 3-4 stages, mlp over 4 and deep-mlp over 2-4; 0.5 learned every one, 0.7 still "
+             "failed deep-mlp over 3-4 (docs/results/pipedream-defaults.md)"),
     Rule(label=lambda flat: "deep-mlp",
          applies=lambda flat: _get(flat, "model") == "deep-mlp" and _get(flat, "optimizer") == "sgd",
          values={"lr": 0.05},
@@ -179,11 +185,12 @@ def risks(flat: Mapping[str, Any], sources: Mapping[str, str]) -> list[str]:
         lines.append(f"momentum {_get(flat, 'momentum'):g} ({sources['momentum']}) under {_label(flat)}: asynchrony "
                      f"already acts as momentum (Mitliagkas et al. 2016), and the two together can stall or "
                      f"diverge; the default here is 0 (drop --momentum), or pass --staleness-lr")
-    if _is_stale_pipeline(flat) and _get(flat, "optimizer") == "sgd" and _get(flat, "momentum") > 0.5 \
+    if _is_uncompensated_pipeline(flat) and _get(flat, "optimizer") == "sgd" and _get(flat, "momentum") > 0.5 \
             and sources.get("momentum") in USER_SOURCES:
         lines.append(f"momentum {_get(flat, 'momentum'):g} ({sources['momentum']}) under --schedule "
-                     f"{_get(flat, 'schedule')}: stale weights already act as momentum, and above 0.5 the two "
-                     f"together left cnn, mlp and deep-mlp at chance on digits; the default here is 0.5")
+                     f"{_get(flat, 'schedule')} --no-delay-compensation: stale weights already act as momentum, "
+                     f"and above 0.5 the two together left cnn, mlp and deep-mlp at chance on digits; the default "
+                     f"here is 0.5")
     if _get(flat, "optimizer") != "sgd" and _get(flat, "momentum") > 0 and sources.get("momentum") in USER_SOURCES:
         lines.append(f"momentum {_get(flat, 'momentum'):g} ({sources['momentum']}) has no effect with optimizer "
                      f"{_get(flat, 'optimizer')} ({sources.get('optimizer', 'default')}): pass --optimizer sgd "

@@ -67,10 +67,10 @@ from plexus.cluster.traffic import Traffic
 from plexus.config import ASYNCHRONOUS_SCHEDULES, JobConfig
 from plexus.errors import ConfigError
 from plexus.parallel.partition import ModelGraph, PartitionPlan, Transfer, plan_partitions, trace_model
-from plexus.parallel.schedules import Op, make_schedule, replay, simulate
+from plexus.parallel.schedules import Op, compensated_delay, make_schedule, replay, simulate
 from plexus.parallel.stages import StageProgram, StageStep, build_stages, join_chunks, merge_state_dicts
 from plexus.parallel.split_backward import SplitBackward, Template
-from plexus.parallel.stash import WeightStash
+from plexus.parallel.stash import WeightStash, delay_lr_scale
 from plexus.parallel.tensor import TensorPlan, merge_tensor_states, predict_traffic
 
 __all__ = ["StageExecutor", "gather_state", "stage_examples", "make_plan", "peak_bytes", "price_plan", "shared_plan",
@@ -422,6 +422,10 @@ class StageExecutor:
         self.schedule = make_schedule(cfg.parallel.schedule, self.stages, self.microbatches,
                                       chunks=cfg.parallel.chunks) if piped and not self.asynchronous else None
         self.weight_stashing, self.vertical_sync = cfg.parallel.weight_stashing, cfg.parallel.vertical_sync
+        # Delay compensation: the steps this stage's forwards predict its weights ahead
+        # (its optimizer's lr is scaled by the synchroniser's config, stage_groups.py).
+        self.delay = compensated_delay(cfg.parallel.schedule, self.stages, program.index, self.vertical_sync,
+                                       cfg.parallel.delay_compensation)
         self._batch_at: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None
         self._coming: Iterator[Op] = iter(())  # the run's ops not yet made (Schedule.iter_ops)
         self._ahead: deque[Op] = deque()  # ops made but not yet run: a look ahead for the next forward
@@ -898,7 +902,7 @@ class StageExecutor:
         # Tags repeat every few inputs: fewer than 2K are ever in flight on a link.
         window = 4 * self.stages
         if self._stash is None or self._stash.module is not model:
-            self._stash = WeightStash(model)
+            self._stash = WeightStash(model, ahead=self.delay)
         stash = self._stash
         coming = self._next_forward_version()
         if coming is not None and coming <= self.steps_done:  # a forward will run on these weights
@@ -1037,7 +1041,8 @@ class StageExecutor:
                                      vertical_sync=self.vertical_sync, minibatches=max(1, steps))
                 pipeline.update(minibatches=max(1, steps), predicted_bubble=made.predicted_bubble(),
                                 weight_stashing=self.weight_stashing, vertical_sync=self.vertical_sync,
-                                weight_versions=self._stash.peak if self._stash is not None else 0)
+                                weight_versions=self._stash.peak if self._stash is not None else 0,
+                                delay_compensation=self.cfg.parallel.delay_compensation, delay=self.delay)
         return {"stage": self.k, "replica": self.replica, "shard": self.shard, "steps": steps, **tensor, **pipeline,
                 "nodes": [n for c in self.chunks for n in self.plan.partitions[c.index].compute],
                 "compute_seconds": self.compute_s,
@@ -1250,8 +1255,11 @@ def stage_summary(records: dict[int, dict[str, Any]]) -> dict[str, Any]:
                            "peak_activation_bytes": max(rec["peak_activation_bytes"] for rec in piped),
                            "recompute": piped[0]["recompute"]}
         if "weight_stashing" in piped[0]:
-            out["pipeline"].update({key: piped[0][key] for key in ("weight_stashing", "vertical_sync", "minibatches")},
-                                   weight_versions=max(rec["weight_versions"] for rec in piped))
+            out["pipeline"].update({key: piped[0][key] for key in ("weight_stashing", "vertical_sync", "minibatches",
+                                                                   "delay_compensation")},
+                                   weight_versions=max(rec["weight_versions"] for rec in piped),
+                                   predicted_ahead=[rec["delay"] for rec in lane],
+                                   lr_scale=[delay_lr_scale(rec["delay"]) for rec in lane])
     replicas = {rec.get("replica", 0) for rec in records.values()}
     if len(replicas) > 1:
         out["replicas"] = len(replicas)

@@ -112,6 +112,13 @@ class Schedule:
         as the time allows (2**62 steps, runner.total_steps), too long to hold."""
         return iter(self.ops(stage))
 
+    def delay(self, stage: int) -> int:
+        """Optimizer steps between the weight version ``stage``'s forwards use and the
+        version their gradients are applied to, once the pipeline is full: 0 under the
+        synchronous schedules, which step once no backward is pending."""
+        _checked(self, stage)
+        return 0
+
     def predicted_bubble(self) -> float:
         """Closed-form idle share of a stage's time over the op lists (equal op costs)."""
         k, m = self.stages, self.inputs
@@ -331,8 +338,11 @@ class PipeDream(Schedule):
     def _ops(self, stage: int) -> list[Op]:
         return list(self.iter_ops(stage))
 
+    def delay(self, stage: int) -> int:
+        return self.stages - 1 - (0 if self.vertical_sync else _checked(self, stage))
+
     def iter_ops(self, stage: int) -> Iterator[Op]:
-        lag = self.stages - 1 - (0 if self.vertical_sync else _checked(self, stage))
+        lag = self.delay(stage)
         return (Op(op.kind, op.microbatch, version=max(0, op.microbatch - lag), step=op.kind == "B")
                 for op in _one_f_one_b_lazily(self.stages, stage, self.microbatches))
 
@@ -365,6 +375,10 @@ class PipeDream2BW(Schedule):
     @property
     def inputs(self) -> int:
         return self.microbatches * self.minibatches
+
+    def delay(self, stage: int) -> int:
+        _checked(self, stage)
+        return 1
 
     def _ops(self, stage: int) -> list[Op]:
         return list(self.iter_ops(stage))
@@ -497,6 +511,16 @@ def _dependencies(op: Op, virtual: int, depth: int) -> list[tuple[str, int, int]
 
 _CLASSES: dict[str, type[Schedule]] = {"gpipe": GPipe, "1f1b": OneFOneB, "interleaved": Interleaved,
                                        "zb-h1": ZeroBubbleH1, "pipedream": PipeDream, "pipedream-2bw": PipeDream2BW}
+
+
+def compensated_delay(name: str, stages: int, stage: int, vertical_sync: bool = False,
+                      compensation: bool = True) -> int:
+    """The delay (``Schedule.delay``) that delay compensation makes up for on ``stage`` of
+    ``--schedule name`` over ``stages`` stages: 0 under a synchronous schedule or without
+    compensation (parallel/stash.py)."""
+    if not compensation or name not in ("pipedream", "pipedream-2bw"):
+        return 0
+    return make_schedule(name, stages, stages, vertical_sync=vertical_sync, minibatches=1).delay(stage)
 
 
 def make_schedule(name: str, stages: int, microbatches: int, chunks: int = 1, vertical_sync: bool = False,

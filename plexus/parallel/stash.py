@@ -20,6 +20,22 @@ Which version an op uses is the schedule's (``Op.version``); the stash only hold
 copies, each from the start of the step whose weights it is until no input in flight and
 no later forward asks for it (the schedules' forwards ask for versions that never
 decrease, so a version older than the next forward's and held by no input is done).
+
+**Delay compensation** (the default; ``--no-delay-compensation`` turns it off). A stage
+whose gradients are applied D steps after the version they were taken at
+(``Schedule.delay``) is a delayed gradient method, and delay shrinks the stable step:
+gradient descent on a quadratic with a gradient D steps old is stable only for
+lr * curvature < 2 sin(pi / (2 (2D + 1))) (Levin and May 1976), about pi / (2D + 1),
+against 2 without delay. Momentum makes it tighter, and the stale stages' steps with
+momentum 0.9 overshoot (docs/results/pipedream-defaults.md). Two remedies together:
+- ``delay_lr_scale``: the stage's learning rate times 1 / (1 + 2D), the bound's
+  asymptotic form (milder scales, the exact sine ratio among them, left deep-mlp over
+  3-4 stages behind on some seeds while this was chosen);
+- linear weight prediction (Chen et al. 2018, SpecTrain; Kosson et al. 2020): the copy a
+  forward uses is not version v's weights but those the last step predicts D steps on,
+  W(v) + D (W(v) - W(v-1)), the weights its gradient will be applied to if the next D
+  steps repeat the last. Stashing keeps the prediction for the backward, so the gradient
+  is still that of the weights the forward ran on.
 """
 from __future__ import annotations
 
@@ -28,17 +44,27 @@ from typing import Sequence
 import torch
 from torch.func import functional_call
 
-__all__ = ["WeightStash"]
+__all__ = ["WeightStash", "delay_lr_scale"]
+
+
+def delay_lr_scale(delay: int) -> float:
+    """The factor delay compensation applies to the learning rate of a stage whose
+    gradients are ``delay`` steps stale (see the module docstring)."""
+    return 1.0 / (1 + 2 * delay)
 
 
 class WeightStash:
-    """Copies of ``module``'s trainable parameters by version (optimizer steps applied)."""
+    """Copies of ``module``'s trainable parameters by version (optimizer steps applied).
+    ``ahead`` > 0: each copy is the weights predicted ``ahead`` steps on from the last
+    step (delay compensation); 0: the version's weights as they are."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
+    def __init__(self, module: torch.nn.Module, ahead: int = 0) -> None:
         self.module = module
         self.names = [name for name, p in module.named_parameters() if p.requires_grad]
         self.copies: dict[int, list[torch.Tensor]] = {}
         self.peak = 0  # the most copies held at once
+        self.ahead = ahead
+        self._last: tuple[int, list[torch.Tensor]] | None = None  # the previous kept version's live weights
 
     @property
     def live(self) -> list[torch.Tensor]:
@@ -48,11 +74,23 @@ class WeightStash:
 
     def keep(self, version: int) -> None:
         """Copy the live weights as ``version`` (call when exactly ``version`` steps are
-        applied and a forward may still ask for it); a copy that needs a gradient, a leaf
-        of each graph built on it."""
-        if version not in self.copies:
-            self.copies[version] = [p.detach().clone().requires_grad_(True) for p in self.live]
-            self.peak = max(self.peak, len(self.copies))
+        applied and a forward may still ask for it), predicted ``ahead`` steps on from the
+        previous version kept; a copy that needs a gradient, a leaf of each graph built on
+        it."""
+        if version in self.copies:
+            return
+        now = [p.detach().clone() for p in self.live]
+        last = self._last
+        if self.ahead:
+            self._last = (version, now)
+        if self.ahead and last is not None and last[0] < version:
+            # The last step's change (per step, if versions were skipped), ``ahead`` times.
+            reach = self.ahead / (version - last[0])
+            copy = [w + reach * (w - old) for w, old in zip(now, last[1])]
+        else:  # under ``ahead``, ``now`` is kept for the next prediction: a copy of its own
+            copy = [w.clone() for w in now] if self.ahead else now
+        self.copies[version] = [w.requires_grad_(True) for w in copy]
+        self.peak = max(self.peak, len(self.copies))
 
     def weights(self, version: int) -> dict[str, torch.Tensor]:
         """``version``'s copy by parameter name, for ``functional_call``."""

@@ -195,6 +195,7 @@ def pipeline_line(summary: Mapping[str, Any]) -> str | None:
     # An asynchronous schedule (pipedream) lists the whole run: its mini-batches, never flushed.
     over = (f"{p.get('minibatches')} mini-batches, never flushed, weight stashing "
             f"{'on' if p.get('weight_stashing') else 'off'}{', vertical sync' if p.get('vertical_sync') else ''}"
+            f"{', delay compensated' if p.get('delay_compensation') else ''}"
             if "minibatches" in p else f"{p.get('microbatches')} micro-batches")
     return (f"{p.get('schedule')} over {over}"
             f"{' with recomputation' if p.get('recompute') else ''}: bubble {measured:.3f} measured, "

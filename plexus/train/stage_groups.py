@@ -26,6 +26,8 @@ from plexus.config import ASYNCHRONOUS_SCHEDULES, JobConfig, ParallelConfig
 from plexus.config.applies import applies
 from plexus.config.defaults import is_asynchronous
 from plexus.errors import ConfigError
+from plexus.parallel.schedules import compensated_delay
+from plexus.parallel.stash import delay_lr_scale
 from plexus.strategies import strategy_class
 
 __all__ = ["GROUP_STRATEGIES", "GroupSlot", "check_stages", "group_config", "group_records", "group_role_counts",
@@ -120,8 +122,13 @@ def _servers(cfg: JobConfig, g: int) -> int:
 
 def group_config(cfg: JobConfig, g: int) -> JobConfig:
     """Group ``g`` as a job of its own: ``--workers`` R workers, its share of the servers,
-    one stage (its model is the stage module, or its shard of it)."""
+    one stage (its model is the stage module, or its shard of it). Under an asynchronous
+    schedule with delay compensation, the stage's learning rate is scaled for its delay
+    (parallel/stash.py), on its workers and its servers alike."""
+    p = cfg.parallel
+    delay = compensated_delay(p.schedule, p.stages, g // p.tensor_parallel, p.vertical_sync, p.delay_compensation)
     return dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, servers=_servers(cfg, g)),
+                               optim=dataclasses.replace(cfg.optim, lr=cfg.optim.lr * delay_lr_scale(delay)),
                                parallel=ParallelConfig())
 
 
