@@ -274,6 +274,10 @@ class OptimConfig:
     momentum: float = 0.9
     # L2 penalty added to the gradient.
     weight_decay: float = 0.0
+    # Not a flag: the steps a pipeline stage's gradients are stale by, set per stage by
+    # delay compensation (train/stage_groups.group_config); momentum SGD then steps with
+    # spike compensation (strategies/base.SpikeCompensatedSGD).
+    delay_steps: int = 0
 
     def __post_init__(self) -> None:
         _require(self.optimizer in ("sgd", "adam", "adagrad"), "optimizer", "must be sgd, adam or adagrad",
@@ -281,6 +285,7 @@ class OptimConfig:
         _require(self.lr > 0, "lr", "must be positive", self.lr, "pass --lr 0.1 for example")
         _require(0 <= self.momentum < 1, "momentum", "must lie in [0, 1)", self.momentum, "pass --momentum 0.9 for example")
         _require(self.weight_decay >= 0, "weight_decay", "must be non-negative", self.weight_decay, "pass --weight-decay 0")
+        _require(self.delay_steps >= 0, "delay_steps", "must be non-negative", self.delay_steps, "leave it unset")
 
 
 @dataclass(kw_only=True, frozen=True)

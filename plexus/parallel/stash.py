@@ -27,10 +27,12 @@ whose gradients are applied D steps after the version they were taken at
 gradient descent on a quadratic with a gradient D steps old is stable only for
 lr * curvature < 2 sin(pi / (2 (2D + 1))) (Levin and May 1976), about pi / (2D + 1),
 against 2 without delay. Momentum makes it tighter, and the stale stages' steps with
-momentum 0.9 overshoot (docs/results/pipedream-defaults.md). Two remedies together:
+momentum 0.9 overshoot (docs/results/pipedream-defaults.md). Three remedies together:
 - ``delay_lr_scale``: the stage's learning rate times 1 / (1 + 2D), the bound's
   asymptotic form (milder scales, the exact sine ratio among them, left deep-mlp over
   3-4 stages behind on some seeds while this was chosen);
+- spike compensation of momentum SGD (Kosson et al. 2020;
+  ``strategies.base.SpikeCompensatedSGD``, which the stage's group config selects);
 - linear weight prediction (Chen et al. 2018, SpecTrain; Kosson et al. 2020): the copy a
   forward uses is not version v's weights but those the last step predicts D steps on,
   W(v) + D (W(v) - W(v-1)), the weights its gradient will be applied to if the next D

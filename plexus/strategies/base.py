@@ -165,8 +165,47 @@ def algorithm_ran(cfg: JobConfig, record: dict[str, Any]) -> dict[str, Any]:
     return {} if ran == cfg.strategy.algorithm else {"algorithm": ran}
 
 
+class SpikeCompensatedSGD(torch.optim.SGD):
+    """Momentum SGD for gradients ``delay`` steps stale, with spike compensation (Kosson
+    et al. 2020, "Pipelined backpropagation at scale"). A gradient g taken at step t and
+    applied undelayed would have moved the weights by lr g beta^j at each step t + j; one
+    that arrives D steps late has missed D of those, and its later terms are beta^-D too
+    large. So the momentum buffer takes beta^D g instead of g, and the weights take the
+    missed part, lr (1 + beta + ... + beta^D - beta^D) g, at once: the gradient's total
+    contribution, and each of its terms from its arrival on, equal an undelayed one's.
+    Without momentum it is plain SGD."""
+
+    def __init__(self, params, *, lr: float, momentum: float, weight_decay: float, delay: int) -> None:
+        super().__init__(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+        self.delay = delay
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("SpikeCompensatedSGD takes no closure")
+        raw = [[p.grad.clone() if p.grad is not None else None for p in group["params"]]
+               for group in self.param_groups]
+        for group in self.param_groups:
+            beta = group["momentum"]
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(beta ** self.delay)
+        super().step()
+        for group, grads in zip(self.param_groups, raw):
+            beta = group["momentum"]
+            spike = sum(beta ** j for j in range(self.delay))  # 1 + ... + beta^(D-1)
+            for p, g in zip(group["params"], grads):
+                if g is not None:
+                    p.add_(g, alpha=-group["lr"] * spike)
+        return None
+
+
 def make_optimizer(params, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """The optimizer named by ``cfg`` over ``params``."""
+    """The optimizer named by ``cfg`` over ``params`` (momentum SGD with spike
+    compensation where ``cfg.delay_steps`` says its gradients are stale)."""
+    if cfg.optimizer == "sgd" and cfg.delay_steps and cfg.momentum > 0:
+        return SpikeCompensatedSGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                                   delay=cfg.delay_steps)
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     if cfg.optimizer == "adam":

@@ -124,11 +124,13 @@ def group_config(cfg: JobConfig, g: int) -> JobConfig:
     """Group ``g`` as a job of its own: ``--workers`` R workers, its share of the servers,
     one stage (its model is the stage module, or its shard of it). Under an asynchronous
     schedule with delay compensation, the stage's learning rate is scaled for its delay
-    (parallel/stash.py), on its workers and its servers alike."""
+    (parallel/stash.py), on its workers and its servers alike, and its momentum SGD, where
+    the stage steps it itself, is spike compensated (``OptimConfig.delay_steps``)."""
     p = cfg.parallel
     delay = compensated_delay(p.schedule, p.stages, g // p.tensor_parallel, p.vertical_sync, p.delay_compensation)
     return dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, servers=_servers(cfg, g)),
-                               optim=dataclasses.replace(cfg.optim, lr=cfg.optim.lr * delay_lr_scale(delay)),
+                               optim=dataclasses.replace(cfg.optim, lr=cfg.optim.lr * delay_lr_scale(delay),
+                                                         delay_steps=delay),
                                parallel=ParallelConfig())
 
 
