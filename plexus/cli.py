@@ -147,7 +147,8 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-delay-compensation", dest="delay_compensation", action="store_const", const=False,
                    help="--schedule pipedream or pipedream-2bw: keep every stage's lr and run its forwards on "
                         "stashed weights as they are, PipeDream's plain rule (by default a stage D steps behind "
-                        "divides its lr by 1 + 2D and predicts its weights D steps ahead)")
+                        "divides its lr by 1 + 2D, spike-compensates its momentum and predicts its weights D "
+                        "steps ahead)")
     _flag(g, "recompute", action="store_const", const=True,
           help="keep only each micro-batch's inputs and run its forward again for its backward")
     g = parser.add_argument_group("optimisation")

@@ -161,8 +161,9 @@ class ParallelConfig:
     # Asynchronous schedules: compensate each stage's delay D (the optimizer steps between
     # the weights its forwards use and those its gradients are applied to: K-1-k on stage k
     # under pipedream, K-1 under --vertical-sync, 1 under 2bw): the stage's lr is divided
-    # by 1 + 2D, and its forwards run on the weights the last step predicts D steps ahead
-    # (linear weight prediction). False (--no-delay-compensation): PipeDream's plain rule.
+    # by 1 + 2D, its momentum SGD is spike compensated, and its forwards run on the weights
+    # the last step predicts D steps ahead (linear weight prediction; parallel/stash.py).
+    # False (--no-delay-compensation): PipeDream's plain rule.
     delay_compensation: bool = True
 
     def __post_init__(self) -> None:
