@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from plexus.config import JobConfig
+from plexus.errors import ConfigError
 from plexus.parallel.executor import make_plan
 from plexus.parallel.stages import build_stages
 from plexus.parallel.stash import WeightStash, delay_lr_scale
@@ -123,8 +124,13 @@ def test_a_spike_compensated_gradient_moves_the_weights_as_an_undelayed_one(dela
     late = run(lambda ps: SpikeCompensatedSGD(ps, lr=lr, momentum=beta, weight_decay=0.0, delay=delay), 0, 6)
     for t in range(6):
         torch.testing.assert_close(late[t], plain[delay + t])
-    cfg = JobConfig.from_flat({"momentum": beta, "delay_steps": delay}).optim
+    cfg = dataclasses.replace(JobConfig.from_flat({"momentum": beta}).optim, delay_steps=delay)
     assert isinstance(make_optimizer([torch.nn.Parameter(torch.zeros(1))], cfg), SpikeCompensatedSGD)
+    assert type(make_optimizer([torch.nn.Parameter(torch.zeros(1))], dataclasses.replace(cfg, momentum=0.0))) \
+        is torch.optim.SGD
+    with pytest.raises(ConfigError, match=r"delay_steps \(file\) is set per pipeline stage"):
+        JobConfig.from_flat({"delay_steps": delay}, {"delay_steps": "file"})
+    assert JobConfig.from_flat({"delay_steps": 0}).optim.delay_steps == 0  # as config.json records it
 
 
 def _reference(tmp_path, steps: int, stages: int, vertical_sync: bool = False, schedule: str = "pipedream",

@@ -712,6 +712,9 @@ class JobConfig:
             given[key] = value
         origin = {key: origin.get(key, "api") for key in given}
         _check_types(given, origin)
+        if given.get("delay_steps", 0):  # 0, as config.json records it, may come back
+            raise ConfigError(f"delay_steps ({origin['delay_steps']}) is set per pipeline stage by delay "
+                              f"compensation (--schedule pipedream or pipedream-2bw), not by a job: drop it")
         defaults, default_sources = resolve(given)
         parts: dict[str, dict[str, Any]] = {name: {} for name in _COMPONENTS}
         for key, value in {**defaults, **given}.items():
