@@ -518,7 +518,8 @@ def compensated_delay(name: str, stages: int, stage: int, vertical_sync: bool = 
     """The delay (``Schedule.delay``) that delay compensation makes up for on ``stage`` of
     ``--schedule name`` over ``stages`` stages: 0 under a synchronous schedule or without
     compensation (parallel/stash.py)."""
-    if not compensation or name not in ("pipedream", "pipedream-2bw"):
+    schedule = _CLASSES.get(name)
+    if not compensation or schedule is None or schedule.synchronous:
         return 0
     return make_schedule(name, stages, stages, vertical_sync=vertical_sync, minibatches=1).delay(stage)
 
