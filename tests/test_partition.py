@@ -236,9 +236,14 @@ def test_interleaved_chunks_of_one_process_fit_the_memory_cap_together():
     with pytest.raises(ConfigError, match=r"process [01] would hold model chunks (0, 2|1, 3) of --schedule "
                                           r"interleaved, .* more than --stage-memory 1.6 MB"):
         plan_partitions(graph, 4, "params", memory_cap=1_600_000, chunks=2)
-    # A cap no four chunks meet names the fewest chunks, and the --stages that give them.
-    with pytest.raises(ConfigError, match=r"4 model chunks \(--stages 2 x --chunks 2\) cannot hold the model .* "
-                                          r"it needs at least [5-9]; pass --stages [3-5] or more"):
+    # A cap no two processes meet names the --stages whose processes do; under a smaller
+    # one no cut of the model into any number of chunks meets it.
+    with pytest.raises(ConfigError, match=r"process [01] would hold model chunks .* more than --stage-memory 2.4 MB: "
+                                          r"pass --stages 3 or a larger --stage-memory$"):
+        plan_partitions(graph, 4, "params", memory_cap=2_400_000, chunks=2)
+    assert max(per_process(plan_partitions(graph, 6, "params", memory_cap=2_400_000, chunks=2), 3)) <= 2_400_000
+    with pytest.raises(ConfigError, match=r"no cut into any number of stages fits the model under --stage-memory "
+                                          r"1.2 MB"):
         plan_partitions(graph, 4, "params", memory_cap=1_200_000, chunks=2)
     with pytest.raises(ConfigError, match=r"process [01] would hold model chunks"):  # uniform cannot cut again
         plan_partitions(graph, 4, "uniform", memory_cap=max(p.memory_bytes for p in plan_partitions(
@@ -580,7 +585,8 @@ def test_incremental_range_costs_equal_their_definition(digits, name):
     costs = _Costs(graph, optimizer_slots=1, bandwidth=1e8, latency=1e-4)
     n = len(graph.compute)
     for lo in range(n):
-        for hi, figures in enumerate(costs.sweep(lo), lo + 1):
+        for hi, r in enumerate(costs.sweep(lo), lo + 1):
+            figures = (r.seconds, costs.memory(r), r.params, r.received, r.sent)
             expected = _naive_range(graph, costs, lo, hi)
             assert figures[1:] == expected[1:] and figures[0] == pytest.approx(expected[0], rel=1e-12), (lo, hi)
 
@@ -673,3 +679,87 @@ def test_tracing_leaves_batch_norm_statistics_and_the_generator_alone():
         assert torch.equal(value, before[key]), key
     assert "1.running_mean" in merge_state_dicts(
         s.module.state_dict() for s in build_stages(graph, plan_partitions(graph, 2, "uniform")))
+
+
+def test_a_pipeline_stage_counts_the_micro_batches_and_weight_copies_it_holds():
+    """A range's memory under a Holding: the parameters with their gradients, optimizer
+    state and weight copies, and the share of a batch's activations (with its inputs and
+    received values) held at once; under recompute only the inputs and received values of
+    that share, and one micro-batch's activations rebuilt."""
+    from plexus.parallel.partition import Holding, _Costs
+    torch.manual_seed(0)
+    graph = trace_model(nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4)),
+                        torch.randn(32, 8))
+    costs = _Costs(graph, optimizer_slots=1, bandwidth=1e9, latency=0.0)
+    whole, tail = list(costs.sweep(0))[-1], list(costs.sweep(2))[-1]  # every node; from the second Linear on
+    assert (whole.inputs, whole.received) == (32 * 8 * 4, 0) and tail.received == 32 * 64 * 4
+    assert whole.activations == 32 * (64 * 4 + 4) * 4
+    assert costs.memory(whole) == 3 * whole.params + whole.activations + whole.inputs
+    assert costs.memory(whole, Holding(held=2, microbatches=4)) == \
+        3 * whole.params + (whole.activations + whole.inputs) // 2
+    assert costs.memory(whole, Holding(held=3, microbatches=1, weight_copies=4)) == \
+        7 * whole.params + 3 * (whole.activations + whole.inputs)
+    assert costs.memory(tail, Holding(held=2, microbatches=4, recompute=True)) == \
+        3 * tail.params + tail.received // 2 + tail.activations // 4
+    with pytest.raises(ValueError):
+        Holding(held=0)
+
+
+def test_the_memory_cap_counts_what_each_stage_of_a_pipeline_holds():
+    """Under pipedream stage k holds K - k batches and K - k weight versions (one more
+    for the prediction while it is delayed). A cap the plain 3-stage cut meets twice over
+    moves the cut towards stage 0; fewer stages need more, and so, past a point, do more
+    stages (stage 0 holds K batches of its share of the layers), and each message names a
+    count that fits. A cap the plain cut meets once no number of pipedream stages meets."""
+    from plexus.parallel.partition import Holding
+    torch.manual_seed(0)
+    graph = trace_model(nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(64, 64), nn.ReLU())]),
+                        torch.randn(64, 64))
+
+    def pipedream(ranges):
+        return [Holding(held=ranges - k, weight_copies=ranges - k + (k < ranges - 1)) for k in range(ranges)]
+
+    plain = plan_partitions(graph, 3, "params")
+    cap = max(p.memory_bytes for p in plain.partitions)
+    assert plan_partitions(graph, 3, "params", memory_cap=cap).assignment == plain.assignment
+    assert all(p.holding == Holding() for p in plain.partitions)
+    piped = plan_partitions(graph, 3, "params", memory_cap=2 * cap, holdings=pipedream)
+    assert [p.holding for p in piped.partitions] == pipedream(3)
+    assert all(p.memory_bytes <= 2 * cap for p in piped.partitions)
+    assert [len(p.compute) for p in plain.partitions] == [3, 4, 5]
+    assert [len(p.compute) for p in piped.partitions] == [1, 4, 7]  # stage 0 holds the most
+    with pytest.raises(ConfigError, match=r"^2 stages cannot hold the model under --stage-memory .*: it needs at "
+                                          r"least 3; pass --stages 3 or a larger --stage-memory$"):
+        plan_partitions(graph, 2, "params", memory_cap=2 * cap, holdings=pipedream)
+    with pytest.raises(ConfigError, match=r"^7 stages cannot hold the model under --stage-memory .*: it fits in "
+                                          r"3; pass --stages 3 or a larger --stage-memory$"):
+        plan_partitions(graph, 7, "params", memory_cap=2 * cap, holdings=pipedream)
+    with pytest.raises(ConfigError, match="no cut into any number of stages fits the model under --stage-memory"):
+        plan_partitions(graph, 3, "params", memory_cap=cap, holdings=pipedream)
+
+
+@pytest.mark.parametrize("flags, held, copies", [
+    (dict(schedule="pipedream"), [3, 2, 1], [4, 3, 1]),
+    (dict(schedule="pipedream", vertical_sync=True), [3, 2, 1], [4, 4, 4]),
+    (dict(schedule="pipedream", delay_compensation=False), [3, 2, 1], [3, 2, 1]),
+    (dict(schedule="pipedream-2bw", microbatches=4), [3, 2, 1], [3, 3, 3]),
+    (dict(schedule="pipedream-2bw", microbatches=4, delay_compensation=False), [3, 2, 1], [2, 2, 2]),
+    (dict(schedule="gpipe", microbatches=4), [4, 4, 4], [0, 0, 0]),
+    (dict(schedule="1f1b", microbatches=4), [3, 2, 1], [0, 0, 0]),
+    (dict(schedule="1f1b", microbatches=2), [2, 2, 1], [0, 0, 0]),
+    (dict(schedule="zb-h1", microbatches=4), [3, 3, 3], [0, 0, 0]),
+], ids=["pipedream", "vertical-sync", "pipedream-plain", "2bw", "2bw-plain", "gpipe", "1f1b", "1f1b-M2", "zb-h1"])
+def test_stage_holdings_follow_the_schedule(flags, held, copies):
+    from plexus.parallel.executor import stage_holdings
+    cfg = JobConfig.from_flat(dict(model="deep-mlp", stages=3, **flags))
+    got = stage_holdings(cfg)(3)
+    assert [h.held for h in got] == held and [h.weight_copies for h in got] == copies
+    assert all(h.microbatches == cfg.parallel.microbatches and not h.recompute for h in got)
+    assert stage_holdings(JobConfig.from_flat(dict(model="deep-mlp", stages=3))) is None  # no pipeline
+    recompute = stage_holdings(JobConfig.from_flat(dict(model="deep-mlp", stages=3, microbatches=4,
+                                                        recompute=True)))(3)
+    assert all(h.recompute for h in recompute)
+    # interleaved: each of process s's chunks holds what the schedule keeps of that chunk
+    cfg = JobConfig.from_flat(dict(model="deep-mlp", stages=2, microbatches=4, schedule="interleaved", chunks=2))
+    assert [h.held for h in stage_holdings(cfg)(4)] == [4, 3, 2, 1]  # chunk 0 on each process, then chunk 1
+    assert stage_holdings(cfg)(6) is None  # 3 processes: M = 4 is not a multiple of K

@@ -64,7 +64,7 @@ def test_a_stashed_backward_differentiates_the_forwards_weights():
         got, _ = stash.gradients(0, [loss], [torch.ones_like(loss)], stashing=stashing)
         results[stashing] = got
         stash.drop(held=set(), next_forward=None)  # no input in flight, no forward left
-        assert stash.copies == {} and stash.peak == 1
+        assert stash.copies == {} and stash.peak == stash.peak_copies == 1
     for g, w in zip(results[True], want_old):
         torch.testing.assert_close(g, w)
     # Without stashing the first layer's gradient goes back through the stepped second
@@ -101,6 +101,7 @@ def test_a_stash_ahead_predicts_each_version_from_the_last_step():
         torch.testing.assert_close(got, w + 0.5)  # +0.25 a step over versions 1 to 3
     for got, w in zip(stash.live, history[3]):
         torch.testing.assert_close(got.detach(), w)
+    assert (stash.peak, stash.peak_copies) == (3, 4)  # and the weights the next prediction starts from
     assert [delay_lr_scale(d) for d in (0, 1, 2, 3)] == [1.0, 1 / 3, 1 / 5, 1 / 7]
 
 
@@ -205,6 +206,12 @@ def test_pipedream_applies_its_update_rule(stages, vertical_sync, compensation, 
     assert pipeline["lr_scale"] == [1 / (1 + 2 * d) for d in delays]
     assert {s["stage"]: s["max_in_flight"] for s in summary["stages"]} == {k: stages - k for k in range(stages)}
     assert pipeline["weight_versions"] == stages
+    # Stage k copies its weights K - k times (K under vertical sync), once more while it
+    # predicts, as the plan's memory counts them.
+    versions = [stages if vertical_sync else stages - k for k in range(stages)]
+    assert [s["weight_copies"] for s in summary["stages"]] == [v + (d > 0) for v, d in zip(versions, delays)]
+    assert all((s["planned_weight_copies"], s["planned_in_flight"]) == (s["weight_copies"], s["max_in_flight"])
+               and s["peak_activation_bytes"] <= s["planned_activation_bytes"] for s in summary["stages"])
     assert summary["traffic_matches_plan"] is True
     assert all(row["messages_sent"] == BASE["steps"] for row in summary["stage_traffic"])
 
@@ -226,6 +233,7 @@ def test_pipedream_2bw_applies_its_update_rule(stages, microbatches, compensatio
                                       microbatches=microbatches, delay_compensation=compensation, **flat))
     assert summary["pipeline"]["weight_versions"] == 2
     assert summary["pipeline"]["predicted_ahead"] == [1 if compensation else 0] * stages
+    assert all(s["weight_copies"] == s["planned_weight_copies"] == 2 + compensation for s in summary["stages"])
     assert {s["stage"]: s["max_in_flight"] for s in summary["stages"]} == {k: stages - k for k in range(stages)}
     assert summary["traffic_matches_plan"] is True
     assert all(row["messages_sent"] == BASE["steps"] * microbatches for row in summary["stage_traffic"])

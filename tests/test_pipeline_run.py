@@ -46,6 +46,9 @@ def test_a_synchronous_pipeline_equals_one_process(schedule, stages, microbatche
     # each recorded step's ops line up with the schedule's lists (the replay needs them all)
     assert 0 <= pipeline["bubble_replayed"] < 1
     held = {s["stage"]: s["max_in_flight"] for s in summary["stages"]}
+    assert held == {s["stage"]: s["planned_in_flight"] for s in summary["stages"]}  # what the plan's memory counts
+    # The plan counts every node's output, more than autograd saves.
+    assert all(0 < s["peak_activation_bytes"] <= s["planned_activation_bytes"] for s in summary["stages"])
     if schedule == "gpipe":
         assert held == {k: microbatches for k in range(stages)}
     elif schedule == "1f1b":  # stage k starts K - k micro-batches before its first backward
@@ -76,6 +79,8 @@ def test_an_interleaved_pipeline_equals_one_process(stages, microbatches, chunks
     assert 0 <= summary["pipeline"]["bubble_replayed"] < 1  # its chunk ops line up with the lists
     assert {s["stage"]: s["max_in_flight"] for s in summary["stages"]} == \
         {k: schedule.max_in_flight(k) for k in range(stages)}
+    # The plan counts each chunk's most at once, which the process's most never exceeds.
+    assert all(s["max_in_flight"] <= s["planned_in_flight"] for s in summary["stages"])
     assert summary["traffic_matches_plan"] is True and len(summary["stages"]) == stages
     # Each pair of processes carries the cuts between their chunks, one message per micro-batch each.
     assert all(row["messages_sent"] > 0 and row["messages_sent"] % (STEPS * microbatches) == 0
@@ -132,7 +137,7 @@ def test_padded_ops_and_spinning_receives_leave_the_model_alone(one_process, tmp
      ("must be a multiple of --stages K (3", "--microbatches 6")),
     (["--stages", "2", "--microbatches", "4", "--schedule", "interleaved", "--chunks", "2", "--model", "deep-mlp",
       "--hidden", "256", "--stage-memory", "1.5MB"],
-     ("4 model chunks (--stages 2 x --chunks 2) cannot hold the model", "pass --stages 3 or more")),
+     ("no cut into any number of stages fits the model under --stage-memory 1.5 MB", "raise --stage-memory")),
     (["--stages", "2", "--microbatches", "4", "--schedule", "interleaved", "--chunks", "2", "--model", "towers"],
      ("value flatten goes from virtual stage 0 to 2, two chunks of process 0",)),  # before any process starts
     (["--stages", "2", "--microbatches", "4", "--schedule", "interleaved", "--chunks", "2", "--partition", "manual",
@@ -188,6 +193,9 @@ def test_recomputation_trades_activations_for_compute(schedule, one_process, tmp
     assert bytes_held[0] == held[0] * 8 * 64 * 4
     for before, after in zip(kept["stages"], summary["stages"]):
         assert after["peak_activation_bytes"] < before["peak_activation_bytes"]
+        # the plan counts the inputs held and one micro-batch's activations rebuilt (the same
+        # as without recompute where a stage holds one micro-batch)
+        assert after["peak_activation_bytes"] <= after["planned_activation_bytes"] <= before["planned_activation_bytes"]
     assert summary["pipeline"]["recompute"] is True
 
 

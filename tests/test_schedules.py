@@ -207,6 +207,21 @@ def test_max_in_flight(k, m):
         assert ZeroBubbleH1(stages=k, microbatches=m).max_in_flight(s) <= min(k, m)
 
 
+def test_max_in_flight_of_one_chunk():
+    """Counted per chunk (a pipeline plan's memory per model chunk): on the last stage of
+    fig. 4 bottom, chunk 0 holds F0-F4 before B0 frees one, chunk 1 one at a time, and the
+    process at most 5 together; on the first, chunk 0 all eight before its first
+    backward. With one chunk, chunk 0 is the whole count."""
+    fig = Interleaved(stages=4, microbatches=8, chunks=2)
+    assert (fig.max_in_flight(3, chunk=0), fig.max_in_flight(3, chunk=1), fig.max_in_flight(3)) == (5, 1, 5)
+    assert (fig.max_in_flight(0, chunk=0), fig.max_in_flight(0)) == (8, 11)  # F0-F7 and F0.1-F3.1 less B0.1
+    for s in range(4):
+        assert max(fig.max_in_flight(s, c) for c in (0, 1)) <= fig.max_in_flight(s) <= sum(
+            fig.max_in_flight(s, c) for c in (0, 1))
+        one = OneFOneB(stages=4, microbatches=8)
+        assert one.max_in_flight(s, chunk=0) == one.max_in_flight(s)
+
+
 @pytest.mark.parametrize("forward,backward", [(1.0, 1.0), (1.0, 2.0), (1.0, 3.0), (2.0, 1.0)])
 def test_simulated_bubble_equals_closed_form(forward, backward):
     # GPipe and 1F1B idle (K-1)(f+b) of (M+K-1)(f+b) on every stage: the closed form

@@ -66,7 +66,7 @@ from plexus.cluster.rendezvous import store_barrier, store_get_json, store_set_j
 from plexus.cluster.traffic import Traffic
 from plexus.config import ASYNCHRONOUS_SCHEDULES, JobConfig
 from plexus.errors import ConfigError
-from plexus.parallel.partition import ModelGraph, PartitionPlan, Transfer, plan_partitions, trace_model
+from plexus.parallel.partition import Holding, ModelGraph, PartitionPlan, Transfer, plan_partitions, trace_model
 from plexus.parallel.schedules import Op, compensated_delay, make_schedule, replay, simulate
 from plexus.parallel.stages import StageProgram, StageStep, build_stages, join_chunks, merge_state_dicts
 from plexus.parallel.split_backward import SplitBackward, Template
@@ -74,7 +74,7 @@ from plexus.parallel.stash import WeightStash, delay_lr_scale
 from plexus.parallel.tensor import TensorPlan, merge_tensor_states, predict_traffic
 
 __all__ = ["StageExecutor", "gather_state", "stage_examples", "make_plan", "peak_bytes", "price_plan", "shared_plan",
-           "stage_name", "stage_summary"]
+           "stage_holdings", "stage_name", "stage_summary"]
 
 logger = logging.getLogger(__name__)
 
@@ -110,12 +110,47 @@ def make_plan(cfg: JobConfig, model: torch.nn.Module, sample: torch.Tensor,
     plan = plan_partitions(graph, cfg.parallel.stages * cfg.parallel.chunks, method, split_points=points,
                            memory_cap=cfg.parallel.stage_memory_bytes, optimizer_slots=slots,
                            bandwidth=cfg.cluster.net.bandwidth, latency=cfg.cluster.net.latency,
-                           chunks=cfg.parallel.chunks)
+                           chunks=cfg.parallel.chunks, holdings=stage_holdings(cfg))
     if cfg.parallel.chunks > 1:  # a cut interleaved cannot run (a value between one process's chunks) is
         join_chunks(build_stages(graph, plan, share=True), cfg.parallel.stages)  # refused before processes start
     if method == "time":
         plan = price_plan(graph, plan, sample, optimizer, microbatches=cfg.parallel.microbatches)
     return graph, plan
+
+
+def stage_holdings(cfg: JobConfig) -> Callable[[int], list[Holding] | None] | None:
+    """What each of a pipeline's model chunks keeps at once (``Holding``), for plans of
+    any number of them (the plan's memory, which --stage-memory caps): the micro-batches
+    the schedule holds on its process (of that chunk, under interleaved), and under an
+    asynchronous schedule the copies of its weights ``WeightStash`` makes, one per weight
+    version it keeps and one for the weights a prediction starts from. None: no pipeline,
+    one batch a step."""
+    par = cfg.parallel
+    asynchronous = par.schedule in ASYNCHRONOUS_SCHEDULES
+    if par.microbatches == 1 and cfg.source("schedule") == "default" and not asynchronous:
+        return None
+
+    def holdings(ranges: int) -> list[Holding] | None:
+        stages, odd = divmod(ranges, par.chunks)
+        if odd or stages < 2:  # a pipeline has two stages or more (config.ParallelConfig), v chunks each
+            return None
+        try:  # an asynchronous schedule's lists long enough for its steady state
+            schedule = make_schedule(par.schedule, stages, par.microbatches, chunks=par.chunks,
+                                     vertical_sync=par.vertical_sync,
+                                     minibatches=2 * stages + 1 if asynchronous else None)
+        except ConfigError:  # not a number of stages the schedule runs
+            return None
+        out = []
+        for r in range(ranges):
+            chunk, stage = divmod(r, stages)
+            copies = 0
+            if asynchronous:
+                ahead = compensated_delay(par.schedule, stages, stage, par.vertical_sync, par.delay_compensation)
+                copies = schedule.max_versions(stage) + (ahead > 0)
+            out.append(Holding(held=schedule.max_in_flight(stage, chunk if par.chunks > 1 else None),
+                               microbatches=par.microbatches, weight_copies=copies, recompute=par.recompute))
+        return out
+    return holdings
 
 
 # Steps price_plan times (after PRICE_WARMUP untimed ones): deep-mlp --hidden 1024 at
@@ -1042,9 +1077,17 @@ class StageExecutor:
                 pipeline.update(minibatches=max(1, steps), predicted_bubble=made.predicted_bubble(),
                                 weight_stashing=self.weight_stashing, vertical_sync=self.vertical_sync,
                                 weight_versions=self._stash.peak if self._stash is not None else 0,
+                                weight_copies=self._stash.peak_copies if self._stash is not None else 0,
                                 delay_compensation=self.cfg.parallel.delay_compensation, delay=self.delay)
+        mine = [self.plan.partitions[c.index] for c in self.chunks]
+        if pipeline:  # what the plan counted this process's chunks to hold, against the measured
+            pipeline["planned_in_flight"] = sum(p.holding.held for p in mine)
+            pipeline["planned_activation_bytes"] = sum(p.activation_bytes for p in mine)
+            if self.asynchronous:
+                pipeline["planned_weight_copies"] = sum(p.holding.weight_copies for p in mine)
         return {"stage": self.k, "replica": self.replica, "shard": self.shard, "steps": steps, **tensor, **pipeline,
-                "nodes": [n for c in self.chunks for n in self.plan.partitions[c.index].compute],
+                "nodes": [n for p in mine for n in p.compute],
+                "planned_memory_bytes": sum(p.memory_bytes for p in mine),
                 "compute_seconds": self.compute_s,
                 "idle_seconds": self.idle_s, "sync_seconds": self.sync_s,
                 "timeline": [span for step in self.timeline for span in step],
@@ -1207,7 +1250,8 @@ def stage_summary(records: dict[int, dict[str, Any]]) -> dict[str, Any]:
             "tensor_layers", "tensor_messages_sent", "tensor_bytes_sent", "tensor_messages_recv", "tensor_bytes_recv",
             "predicted_tensor_messages", "predicted_tensor_bytes", "max_in_flight", "peak_activation_bytes",
             "pipeline_seconds", "pipeline_idle_seconds", "bubble", "forward_op_seconds", "backward_op_seconds",
-            "weight_op_seconds", "backward_after_send_seconds", "send_seconds", "weight_versions")
+            "weight_op_seconds", "backward_after_send_seconds", "send_seconds", "weight_versions", "weight_copies",
+            "planned_memory_bytes", "planned_in_flight", "planned_activation_bytes", "planned_weight_copies")
     ordered = sorted(records.values(), key=lambda r: (r.get("replica", 0), r["stage"], r.get("shard", 0)))
     stages = [{key: rec[key] for key in keys if key in rec} for rec in ordered]
     out = {"stages": stages, "stage_traffic": rows, "traffic_matches_plan": ok and bool(records)}

@@ -41,7 +41,7 @@ import statistics
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Literal, Sequence
+from typing import Any, Callable, Iterator, Literal, NamedTuple, Sequence
 
 import torch
 from torch import fx, nn
@@ -54,6 +54,7 @@ __all__ = [
     "GraphNode",
     "ModelGraph",
     "Transfer",
+    "Holding",
     "Partition",
     "PartitionPlan",
     "trace_model",
@@ -167,6 +168,27 @@ class Transfer:
 
 
 @dataclass(frozen=True)
+class Holding:
+    """What a stage's process holds at its peak beyond one step's parameters, gradients
+    and optimizer state: a pipeline keeps ``held`` of a batch's ``microbatches``
+    micro-batches between their forward and their backward (``Schedule.max_in_flight``),
+    each with 1/``microbatches`` of the batch's activations, or, under ``recompute``, only
+    their inputs, with one micro-batch's activations rebuilt for its backward; an
+    asynchronous pipeline also keeps ``weight_copies`` copies of the stage's parameters
+    (its stashed versions and the weights a prediction starts from, parallel/stash.py).
+    The default is a stage without a pipeline: one batch, no copies."""
+
+    held: int = 1
+    microbatches: int = 1
+    weight_copies: int = 0
+    recompute: bool = False
+
+    def __post_init__(self) -> None:
+        if self.held < 1 or self.microbatches < 1 or self.weight_copies < 0:
+            raise ValueError(f"held and microbatches must be >= 1 and weight_copies >= 0, got {self}")
+
+
+@dataclass(frozen=True)
 class Partition:
     index: int
     # Every node of the stage, topological order (placeholders and get_attr included).
@@ -180,7 +202,8 @@ class Partition:
     # and gradients back, at the plan's latency and bandwidth, with a value sent to
     # several stages priced once (_Costs.measure).
     time_s: float
-    # Predicted bytes: params, grads, optimizer state, activations and received values.
+    # Predicted bytes: params, grads, optimizer state, activations and received values,
+    # as much of them as ``holding`` says the stage keeps at once (_Costs.memory).
     memory_bytes: int
     # Bytes per step received and sent forward (send-once; gradients go the other way).
     bytes_in: int
@@ -190,6 +213,11 @@ class Partition:
     # plan (PartitionPlan.priced), the median seconds of the stage's own program run as a
     # training step runs it (executor.price_plan).
     compute_s: float = 0.0
+    # The micro-batches and weight copies its memory_bytes counts, and the part of it that
+    # is activations, inputs and received values (every node's output: an upper bound on
+    # what autograd saves).
+    holding: Holding = Holding()
+    activation_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -456,6 +484,19 @@ def _is_param(gm: fx.GraphModule, target: str) -> bool:
 
 # --- ranges and their costs ----------------------------------------------------------------
 
+class _Range(NamedTuple):
+    """A range's figures per step of the graph's batch: profiled seconds with its
+    transfers', parameter bytes, bytes of its nodes' outputs (placeholders apart, as
+    ``inputs``), and of the values it receives and sends forward, each once."""
+
+    seconds: float
+    params: int
+    activations: int
+    inputs: int
+    received: int
+    sent: int
+
+
 class _Costs:
     """Per-range figures over the computing nodes c_0..c_{n-1}; a non-computing node
     (placeholder, get_attr) counts at its first consumer's position."""
@@ -477,10 +518,10 @@ class _Costs:
             if self.compute:
                 self.at[self.pos[n.name]].append(n)
 
-    def sweep(self, lo: int) -> Iterator[tuple[float, int, int, int, int]]:
-        """``measure(lo, hi)`` for hi = lo + 1, ..., n in turn, each in time linear in the
-        nodes it adds: every range of every lo in O(n^2 + edges) all told."""
-        compute_s, params, activations = 0.0, 0, 0
+    def sweep(self, lo: int) -> Iterator[_Range]:
+        """The figures of [lo, hi) for hi = lo + 1, ..., n in turn, each in time linear in
+        the nodes it adds: every range of every lo in O(n^2 + edges) all told."""
+        compute_s, params, activations, inputs = 0.0, 0, 0, 0
         inside: set[str] = set()
         received: set[str] = set()  # once each, however many nodes inside read it
         waiting: dict[str, int] = {}  # inside, with users at or after hi: sent
@@ -498,7 +539,10 @@ class _Costs:
                 inside.add(node.name)
                 compute_s += node.forward_s + node.backward_s + node.step_s
                 params += node.param_bytes
-                activations += node.out_bytes if node.op != "get_attr" else 0
+                if node.op == "placeholder":
+                    inputs += node.out_bytes
+                elif node.op != "get_attr":
+                    activations += node.out_bytes
                 for i in node.inputs:
                     if i in received:
                         continue
@@ -513,33 +557,53 @@ class _Costs:
                 if self.users[node.name]:
                     waiting[node.name] = len(self.users[node.name])
                     cross(sent, node, 1)
-            memory = (2 + self.optimizer_slots) * params + activations + recv[1]
             comm = (recv[0] + sent[0]) * self.latency + (recv[2] + sent[2]) / self.bandwidth
-            yield compute_s + comm, memory, params, recv[1], sent[1]
+            yield _Range(compute_s + comm, params, activations, inputs, recv[1], sent[1])
 
-    def measure(self, lo: int, hi: int) -> tuple[float, int, int, int, int]:
-        """(seconds, memory bytes, parameter bytes, bytes in, bytes out) of the range
-        [lo, hi): profiled compute plus each crossing value forward and, when it has one,
-        its gradient back. A value sent to several later stages is priced once here,
-        since the range alone does not say how many stages those are: a lower bound on
-        the sender's cost that keeps the dynamic programme exact for this model. The
-        plan's transfers and bytes_out count each receiving stage."""
-        for i, figures in enumerate(self.sweep(lo), lo + 1):
+    def memory(self, r: _Range, holding: Holding = Holding()) -> int:
+        """The bytes a stage holding ``r`` needs at once: its parameters, their gradients,
+        ``optimizer_slots`` copies of optimizer state and ``holding.weight_copies`` more
+        copies, and the activations (every node's output), inputs and received values of
+        the share of a batch's micro-batches it holds (only inputs and received values
+        under recompute, plus one micro-batch's activations)."""
+        return (2 + self.optimizer_slots + holding.weight_copies) * r.params + self.held(r, holding)
+
+    def held(self, r: _Range, holding: Holding = Holding()) -> int:
+        """The bytes of activations, inputs and received values in ``memory``."""
+        share = holding.held / holding.microbatches
+        if holding.recompute:
+            return math.ceil(share * (r.inputs + r.received) + r.activations / holding.microbatches)
+        return math.ceil(share * (r.activations + r.inputs + r.received))
+
+    def range(self, lo: int, hi: int) -> _Range:
+        """The figures of [lo, hi)."""
+        for i, r in enumerate(self.sweep(lo), lo + 1):
             if i == hi:
-                return figures
+                return r
         raise IndexError(f"range [{lo}, {hi}) is outside the {len(self.compute)} computing nodes")
 
+    def measure(self, lo: int, hi: int, holding: Holding = Holding()) -> tuple[float, int, int, int, int]:
+        """(seconds, memory bytes, parameter bytes, bytes in, bytes out) of the range
+        [lo, hi) under ``holding``: profiled compute plus each crossing value forward and,
+        when it has one, its gradient back. A value sent to several later stages is priced
+        once here, since the range alone does not say how many stages those are: a lower
+        bound on the sender's cost that keeps the dynamic programme exact for this model.
+        The plan's transfers and bytes_out count each receiving stage."""
+        r = self.range(lo, hi)
+        return r.seconds, self.memory(r, holding), r.params, r.received, r.sent
 
-def _min_max_cuts(n: int, k: int, cost: list[list[float]]) -> list[int] | None:
-    """Boundaries 0 = b_0 < ... < b_k = n minimising the largest cost[lo][hi] of the k
-    ranges (math.inf: not allowed); None when no cut is allowed. Exact, O(k n^2)."""
+
+def _min_max_cuts(n: int, k: int, cost: Sequence[list[list[float]]]) -> list[int] | None:
+    """Boundaries 0 = b_0 < ... < b_k = n minimising the largest cost[s][lo][hi] of the k
+    ranges, s the range's index (math.inf: not allowed); None when no cut is allowed.
+    Exact, O(k n^2)."""
     best = [[math.inf] * (n + 1) for _ in range(k + 1)]
     back = [[0] * (n + 1) for _ in range(k + 1)]
     best[0][0] = 0.0
     for s in range(1, k + 1):
         for hi in range(s, n - (k - s) + 1):
             for lo in range(s - 1, hi):
-                value = max(best[s - 1][lo], cost[lo][hi])
+                value = max(best[s - 1][lo], cost[s - 1][lo][hi])
                 if value < best[s][hi]:
                     best[s][hi], back[s][hi] = value, lo
     if best[k][n] == math.inf:
@@ -575,7 +639,8 @@ def format_bytes(n: float) -> str:
 
 def plan_partitions(graph: ModelGraph, stages: int, method: Method = "params", *,
                     split_points: Sequence[str] = (), memory_cap: int | None = None, optimizer_slots: int = 1,
-                    bandwidth: float | None = None, latency: float = 0.0, chunks: int = 1) -> PartitionPlan:
+                    bandwidth: float | None = None, latency: float = 0.0, chunks: int = 1,
+                    holdings: Callable[[int], Sequence[Holding] | None] | None = None) -> PartitionPlan:
     """Cut ``graph`` into ``stages`` contiguous ranges of its topological order.
 
     uniform: equal numbers of computing nodes. params: the largest stage's parameter
@@ -587,6 +652,11 @@ def plan_partitions(graph: ModelGraph, stages: int, method: Method = "params", *
     ``memory_cap`` (bytes per stage: parameters, gradients, ``optimizer_slots`` copies
     of optimizer state, activations and received values); uniform and manual are
     refused when a stage exceeds it. Bad input raises ConfigError.
+
+    ``holdings(r)``: what each of r ranges keeps at once under a pipeline (``Holding``;
+    None where the pipeline cannot run r ranges), since stage k of 1f1b holds K - k
+    micro-batches and a pipedream stage copies of its weights; each range's memory, and
+    the cap, count that. By default each range holds one batch and no copies.
 
     ``chunks`` v > 1 (--schedule interleaved): the ``stages`` ranges are model chunks,
     and process s of the ``stages / v`` holds chunks s, K + s, 2K + s, ..., which must
@@ -603,34 +673,41 @@ def plan_partitions(graph: ModelGraph, stages: int, method: Method = "params", *
         raise ConfigError(f"stages must lie in [1, {n}] for this model, which has {n} computing nodes, got "
                           f"{stages}: pass --stages {max(1, min(stages, n))} or fewer")
     cap = memory_cap if memory_cap is not None else math.inf
-    cuts = _cut(graph, costs, stages, method, split_points, cap, chunks)
+    hold = holdings if holdings is not None else (lambda ranges: [Holding()] * ranges)
+    per_range = hold(stages)
+    if per_range is None or len(per_range) != stages:
+        raise ValueError(f"holdings must give each of the {stages} ranges its Holding, got {per_range}")
+    cuts = _cut(graph, costs, stages, method, split_points, cap, per_range, hold, chunks)
     if chunks > 1 and cap < math.inf:
-        process, held = _fullest_process(costs, cuts, stages // chunks)
+        process, held = _fullest_process(costs, cuts, stages // chunks, per_range)
         if held > cap and method in ("params", "time"):
-            try:
-                cuts = _cut(graph, costs, stages, method, split_points, cap / chunks)
-                process, held = _fullest_process(costs, cuts, stages // chunks)
-            except ConfigError:
-                pass  # no cut fits a v-th of the cap per chunk: the first cut's excess is the message
+            found = _min_max_cuts(n, stages, _range_costs(costs, method, cap / chunks, per_range))
+            if found is not None:  # else no cut fits a v-th of the cap per chunk: the first's excess is the message
+                cuts = found
+                process, held = _fullest_process(costs, cuts, stages // chunks, per_range)
         if held > cap:
             mine = list(range(process, stages, stages // chunks))
+            needed = _fewest(costs, cap, hold, chunks, stages)
+            fix = f"--stages {needed // chunks} or a larger --stage-memory" if needed else "a larger --stage-memory"
             raise ConfigError(f"process {process} would hold model chunks {', '.join(map(str, mine))} of "
                               f"--schedule interleaved, {format_bytes(held)} together, more than --stage-memory "
-                              f"{format_bytes(cap)}: pass a larger --stage-memory, fewer --chunks or more --stages")
-    return _make_plan(graph, costs, method, cuts, cap)
+                              f"{format_bytes(cap)}: pass {fix}")
+    return _make_plan(graph, costs, method, cuts, cap, per_range)
 
 
-def _fullest_process(costs: _Costs, cuts: list[int], processes: int) -> tuple[int, int]:
+def _fullest_process(costs: _Costs, cuts: list[int], processes: int,
+                     per_range: Sequence[Holding]) -> tuple[int, int]:
     """(process, bytes) of the process whose chunks (s, K + s, ... of ``cuts``' ranges,
     K = ``processes``) need the most memory together."""
     held = [0] * processes
     for s in range(len(cuts) - 1):
-        held[s % processes] += costs.measure(cuts[s], cuts[s + 1])[1]
+        held[s % processes] += costs.measure(cuts[s], cuts[s + 1], per_range[s])[1]
     return max(enumerate(held), key=lambda pair: pair[1])
 
 
 def _cut(graph: ModelGraph, costs: _Costs, stages: int, method: str, split_points: Sequence[str],
-         cap: float, chunks: int = 1) -> list[int]:
+         cap: float, per_range: Sequence[Holding], hold: Callable[[int], Sequence[Holding] | None],
+         chunks: int = 1) -> list[int]:
     """The positions in ``costs.compute`` where each of ``stages`` ranges begins, and its end."""
     compute = costs.compute
     n = len(compute)
@@ -653,46 +730,99 @@ def _cut(graph: ModelGraph, costs: _Costs, stages: int, method: str, split_point
     else:
         if method == "time" and not graph.profiled:
             raise ValueError("the time method needs a graph traced with profile=True")
-        table: list[list[float]] = [[math.inf] * (n + 1) for _ in range(n + 1)]
-        for lo in range(n):
-            for hi, (seconds, memory, params, _, _) in enumerate(costs.sweep(lo), lo + 1):
-                if memory <= cap:
-                    table[lo][hi] = seconds if method == "time" else float(params)
-        found = _min_max_cuts(n, stages, table)
+        found = _min_max_cuts(n, stages, _range_costs(costs, method, cap, per_range))
         if found is None:
-            raise _no_legal_cut(costs, graph, stages, cap, chunks)
+            raise _no_legal_cut(costs, graph, stages, cap, per_range, hold, chunks)
         cuts = found
     return cuts
 
 
-def _no_legal_cut(costs: _Costs, graph: ModelGraph, stages: int, cap: float, chunks: int = 1) -> ConfigError:
+def _range_costs(costs: _Costs, method: str, cap: float, per_range: Sequence[Holding]) -> list[list[list[float]]]:
+    """For each range of the plan, the cost of [lo][hi] as it (params: parameter bytes,
+    time: seconds), math.inf where it would need more than ``cap``: one table per distinct
+    holding, since a pipeline's stages hold different shares."""
+    n = len(costs.compute)
+    kinds = set(per_range) if cap < math.inf else {Holding()}
+    tables = {h: [[math.inf] * (n + 1) for _ in range(n + 1)] for h in kinds}
+    for lo in range(n):
+        for hi, r in enumerate(costs.sweep(lo), lo + 1):
+            for h, table in tables.items():
+                if cap == math.inf or costs.memory(r, h) <= cap:
+                    table[lo][hi] = r.seconds if method == "time" else float(r.params)
+    return [tables[h if cap < math.inf else Holding()] for h in per_range]
+
+
+def _no_legal_cut(costs: _Costs, graph: ModelGraph, stages: int, cap: float, per_range: Sequence[Holding],
+                  hold: Callable[[int], Sequence[Holding] | None], chunks: int = 1) -> ConfigError:
     compute = costs.compute
     for i, name in enumerate(compute):
-        memory = costs.measure(i, i + 1)[1]
+        memory = min(costs.measure(i, i + 1, h)[1] for h in set(per_range))
         if memory > cap:
             node = graph.by_name[name]
             return ConfigError(f"node {name} ({node.target}) alone needs {format_bytes(memory)} (parameters, "
                                f"gradients, optimizer state, activations), more than --stage-memory "
                                f"{format_bytes(cap)}, so no cut is legal: raise --stage-memory to at least "
                                f"{format_bytes(memory)}")
-    needed, lo = 0, 0
-    while lo < len(compute):  # greedy: the fewest stages that fit
-        hi = lo + 1
-        for end, figures in enumerate(costs.sweep(lo), lo + 1):
-            if figures[1] > cap:
-                break
-            hi = end
-        needed, lo = needed + 1, hi
+    needed = _fewest(costs, cap, hold, chunks, stages)
+    if needed is None:
+        return ConfigError(f"no cut into any number of stages fits the model under --stage-memory "
+                           f"{format_bytes(cap)}, with what each stage of this pipeline holds at once (micro-batches "
+                           f"in flight, weight copies, a process's chunks together): raise --stage-memory")
     if chunks > 1:
         return ConfigError(f"{stages} model chunks (--stages {stages // chunks} x --chunks {chunks}) cannot hold the "
-                           f"model under --stage-memory {format_bytes(cap)}: it needs at least {needed}; pass "
-                           f"--stages {-(-needed // chunks)} or more, or a larger --stage-memory")
+                           f"model under --stage-memory {format_bytes(cap)}; {needed} can: pass --stages "
+                           f"{needed // chunks}, or a larger --stage-memory")
+    fewest = "it needs at least" if needed > stages else "it fits in"
     return ConfigError(f"{stages} stage{'s' if stages > 1 else ''} cannot hold the model under --stage-memory "
-                       f"{format_bytes(cap)}: it needs at least {needed}; pass --stages {needed} or a larger "
+                       f"{format_bytes(cap)}: {fewest} {needed}; pass --stages {needed} or a larger "
                        f"--stage-memory")
 
 
-def _make_plan(graph: ModelGraph, costs: _Costs, method: str, cuts: list[int], cap: float) -> PartitionPlan:
+def _fewest(costs: _Costs, cap: float, hold: Callable[[int], Sequence[Holding] | None], chunks: int,
+            stages: int) -> int | None:
+    """The fewest ranges other than ``stages`` that hold the model under ``cap``; None if
+    no number does. Under a pipeline what a stage holds changes with the number of stages
+    (stage 0 of 1f1b holds K micro-batches), so each count is tried. A process of
+    interleaved holds v = ``chunks`` ranges, which must fit the cap together."""
+    return next((r for r in range(chunks, len(costs.compute) + 1, chunks)
+                 if r != stages and _fits(costs, cap, hold(r), chunks)), None)
+
+
+def _fits(costs: _Costs, cap: float, per_range: Sequence[Holding] | None, chunks: int = 1) -> bool:
+    """Whether ranges holding ``per_range`` in turn cover the model under ``cap``, each
+    taking as many nodes as it can (greedy, which no other cut beats: a range that fits
+    still fits when it starts later). With ``chunks`` v > 1, the params cut then also
+    keeps each process's v chunks under it together, as ``plan_partitions`` cuts."""
+    if per_range is None or not _greedy_fits(costs, cap, per_range):
+        return False
+    if chunks == 1:
+        return True
+    processes = len(per_range) // chunks
+    for each in (cap, cap / chunks):
+        cuts = _min_max_cuts(len(costs.compute), len(per_range), _range_costs(costs, "params", each, per_range))
+        if cuts is not None and _fullest_process(costs, cuts, processes, per_range)[1] <= cap:
+            return True
+    return False
+
+
+def _greedy_fits(costs: _Costs, cap: float, per_range: Sequence[Holding]) -> bool:
+    lo, n = 0, len(costs.compute)
+    for h in per_range:
+        hi = lo
+        for end, r in enumerate(costs.sweep(lo), lo + 1):
+            if costs.memory(r, h) > cap:
+                break
+            hi = end
+        if hi == lo:
+            return False
+        lo = hi
+        if lo == n:
+            return True
+    return False
+
+
+def _make_plan(graph: ModelGraph, costs: _Costs, method: str, cuts: list[int], cap: float,
+               per_range: Sequence[Holding]) -> PartitionPlan:
     pos, compute = costs.pos, costs.compute
     stage_of_pos = {i: s for s in range(len(cuts) - 1) for i in range(cuts[s], cuts[s + 1])}
     assignment = {n.name: stage_of_pos[pos[n.name]] for n in graph.nodes}
@@ -708,7 +838,8 @@ def _make_plan(graph: ModelGraph, costs: _Costs, method: str, cuts: list[int], c
                                       shape=n.out_shape, dtype=n.out_dtype, batch_dim=n.batch_dim))
     partitions = []
     for s in range(len(cuts) - 1):
-        seconds, memory, _, _, _ = costs.measure(cuts[s], cuts[s + 1])
+        r = costs.range(cuts[s], cuts[s + 1])
+        seconds, memory = r.seconds, costs.memory(r, per_range[s])
         if memory > cap:
             raise ConfigError(f"stage {s} of the {method} plan needs {format_bytes(memory)}, more than "
                               f"--stage-memory {format_bytes(cap)}: pass --partition params or time, which keep "
@@ -721,7 +852,8 @@ def _make_plan(graph: ModelGraph, costs: _Costs, method: str, cuts: list[int], c
             param_count=sum(i.param_count for i in infos), time_s=seconds, memory_bytes=memory,
             bytes_in=sum(t.nbytes for t in transfers if t.dst == s),
             bytes_out=sum(t.nbytes for t in transfers if t.src == s),
-            compute_s=sum(i.forward_s + i.backward_s + i.step_s for i in infos)))
+            compute_s=sum(i.forward_s + i.backward_s + i.step_s for i in infos), holding=per_range[s],
+            activation_bytes=costs.held(r, per_range[s])))
     _check_shared_weights(graph, assignment)
     return PartitionPlan(method=method, batch=graph.batch, partitions=tuple(partitions), transfers=tuple(transfers),
                          assignment=assignment, output_stage=assignment[graph.output])
@@ -746,17 +878,25 @@ def _check_shared_weights(graph: ModelGraph, assignment: dict[str, int]) -> None
 
 
 def format_plan(plan: PartitionPlan, graph: ModelGraph) -> str:
-    """The plan as a table: each stage's nodes, parameters, predicted time and memory,
-    and the bytes it receives and sends forward per step (send-once)."""
-    rows = [("stage", "nodes", "params", "pred ms", "memory", "in/step", "out/step")]
+    """The plan as a table: each stage's nodes, parameters, predicted time and memory
+    (with, under a pipeline, what it holds at once), and the bytes it receives and sends
+    forward per step (send-once)."""
+    piped = any(p.holding != Holding() for p in plan.partitions)
+    rows = [("stage", "nodes", "params", "pred ms", "memory", *(("holds",) if piped else ()), "in/step", "out/step")]
     for p in plan.partitions:
         span = p.compute[0] if len(p.compute) == 1 else f"{p.compute[0]}..{p.compute[-1]}"
+        h = p.holding
+        holds = (f"{h.held} of {h.microbatches} mb" if h.microbatches > 1 else f"{h.held} batch{'es' * (h.held > 1)}")
+        holds += f" + {h.weight_copies} w" if h.weight_copies else ""
         rows.append((str(p.index), f"{span} ({len(p.compute)})", f"{p.param_count:,}",
                      f"{p.time_s * 1e3:.3f}" if graph.profiled else "-", format_bytes(p.memory_bytes),
-                     format_bytes(p.bytes_in), format_bytes(p.bytes_out)))
+                     *((holds,) if piped else ()), format_bytes(p.bytes_in), format_bytes(p.bytes_out)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
              for r in rows]
     cuts = ", ".join(f"{t.producer} {t.src}->{t.dst} {format_bytes(t.nbytes)}" for t in plan.transfers) or "none"
     lines.append(f"transfers (each value once per receiving stage, per step of batch {plan.batch}): {cuts}")
+    if piped:
+        lines.append("holds: the micro-batches (mb) or batches whose activations a stage keeps at once, and the "
+                     "copies of its weights an asynchronous pipeline keeps (w); memory counts them")
     return "\n".join(lines)

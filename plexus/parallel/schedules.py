@@ -124,12 +124,15 @@ class Schedule:
         k, m = self.stages, self.inputs
         return (k - 1) / (m + k - 1)
 
-    def max_in_flight(self, stage: int) -> int:
-        """Most micro-batches (of any chunk) whose forward has run on ``stage`` and whose
-        backward has not finished (W under zb-h1): the activations the stage holds."""
+    def max_in_flight(self, stage: int, chunk: int | None = None) -> int:
+        """Most micro-batches (of any chunk, or of ``chunk`` alone) whose forward has run
+        on ``stage`` and whose backward has not finished (W under zb-h1): the activations
+        the stage holds."""
         done = "W" if self.splits_backward else "B"
         live = peak = 0
         for op in self.ops(stage):
+            if chunk is not None and op.chunk != chunk:
+                continue
             live += (op.kind == "F") - (op.kind == done)
             peak = max(peak, live)
         return peak

@@ -64,7 +64,8 @@ class WeightStash:
         self.module = module
         self.names = [name for name, p in module.named_parameters() if p.requires_grad]
         self.copies: dict[int, list[torch.Tensor]] = {}
-        self.peak = 0  # the most copies held at once
+        self.peak = 0  # the most versions held at once
+        self.peak_copies = 0  # the most copies of the weights held at once: those and the prediction's base
         self.ahead = ahead
         self._last: tuple[int, list[torch.Tensor]] | None = None  # the previous kept version's live weights
 
@@ -93,6 +94,7 @@ class WeightStash:
             copy = [w.clone() for w in now] if self.ahead else now
         self.copies[version] = [w.requires_grad_(True) for w in copy]
         self.peak = max(self.peak, len(self.copies))
+        self.peak_copies = max(self.peak_copies, len(self.copies) + (self._last is not None))
 
     def weights(self, version: int) -> dict[str, torch.Tensor]:
         """``version``'s copy by parameter name, for ``functional_call``."""
