@@ -90,7 +90,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--stages", type=int, default=3)
-    parser.add_argument("--stage-memory", default="40MB", help="a cap that no fewer than --stages stages meet")
+    parser.add_argument("--stage-memory", default="39MB", help="a cap that no fewer than --stages stages meet")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--lr", type=float, default=0.02)
     parser.add_argument("--threads", type=int, default=1)

@@ -650,7 +650,8 @@ class StageExecutor:
                  program: StageProgram | None = None) -> "_Microbatch":
         """One micro-batch's forward (and loss, weighted 1/M, on the output stage), and
         the bytes of activations it leaves for its backward: what autograd saved, apart
-        from the parameters (``grad``), or, recomputing, only its inputs. ``weights``:
+        from the parameters (``grad``), or, recomputing, nothing, with the values it
+        received and the model's input it read, which it holds until its backward too. ``weights``:
         parameters to run ``model`` with instead of its own (a stashed version).
         ``program``: the model chunk to run (interleaved), with ``model``'s parameters."""
         p = program or self.program
@@ -676,9 +677,10 @@ class StageExecutor:
         with _counting_saved(params, saved), torch.set_grad_enabled(grad):
             values = runner.forward(received, {name: x for name in p.model_inputs}, module=module)
             loss = self.criterion(values[p.output], y) / self.microbatches if p.output is not None else None
-        held = sum(saved.values()) if grad else \
-            sum(v.numel() * v.element_size() for v in (*received.values(), *([x] if p.model_inputs else [])))
-        return _Microbatch(runner, values, loss, received, x, y, held)
+        kept = saved if grad else {}  # and, each once, the received values and input it holds until its backward
+        for v in (*received.values(), *([x] if p.model_inputs and x is not None else [])):
+            kept.setdefault(v.data_ptr(), v.numel() * v.element_size())
+        return _Microbatch(runner, values, loss, received, x, y, sum(kept.values()))
 
     def _pipelined_loss(self, model: torch.nn.Module, x: torch.Tensor | None, y: torch.Tensor | None
                         ) -> torch.Tensor:

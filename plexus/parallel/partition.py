@@ -91,6 +91,12 @@ class GraphNode:
     param_count: int = 0
     # Bytes of its output (every tensor in it) for the graph's sample batch.
     out_bytes: int = 0
+    # The storages its output lies in, and those of the tensors its forward saves for the
+    # backward apart from the parameters and buffers, with their bytes, as keys unique
+    # within the graph: a value saved by several nodes (a ReLU's output, which the next
+    # Linear saves as its input) is one storage, which a stage holds once.
+    out_storages: tuple[int, ...] = ()
+    saved: tuple[tuple[int, int], ...] = ()
     # Whether a gradient flows back into its output (float and depending on parameters).
     out_grad: bool = False
     # Shape and dtype of its output for the sample batch, when the output is one tensor
@@ -214,8 +220,7 @@ class Partition:
     # training step runs it (executor.price_plan).
     compute_s: float = 0.0
     # The micro-batches and weight copies its memory_bytes counts, and the part of it that
-    # is activations, inputs and received values (every node's output: an upper bound on
-    # what autograd saves).
+    # is activations (what autograd saves for the backward), inputs and received values.
     holding: Holding = Holding()
     activation_bytes: int = 0
 
@@ -305,21 +310,40 @@ def _nbytes(value: Any) -> int:
 
 
 class _Recorder(fx.Interpreter):
-    """Runs the graph once, recording each node's output bytes and whether a gradient
-    reaches it; with ``repeats`` > 0 it also times each computing node's forward and
-    backward alone, on detached copies of its inputs (the fastest of ``repeats``, after
-    one untimed run)."""
+    """Runs the graph once, recording each node's output bytes, the storages of its
+    output and of what autograd saves in its forward (apart from the model's parameters
+    and buffers), and whether a gradient reaches it; with ``repeats`` > 0 it also times
+    each computing node's forward and backward alone, on detached copies of its inputs
+    (the fastest of ``repeats``, after one untimed run). Every tensor it sees stays alive
+    until the run ends, so no storage is freed and its address given to another."""
 
     def __init__(self, gm: fx.GraphModule, repeats: int) -> None:
         super().__init__(gm)
         self.repeats = repeats
+        self.model_storages = {t.untyped_storage().data_ptr() for t in (*gm.parameters(), *gm.buffers())}
+        self.kept: list[torch.Tensor] = []
+        self.out_storages: dict[str, tuple[int, ...]] = {}
+        self.saved: dict[str, dict[int, int]] = {}
         self.out_bytes: dict[str, int] = {}
         self.out_grad: dict[str, bool] = {}
         self.out_meta: dict[str, tuple[tuple[int, ...], str]] = {}
         self.times: dict[str, tuple[float, float]] = {}
 
     def run_node(self, n: fx.Node) -> Any:
-        result = super().run_node(n)
+        saved = self.saved.setdefault(n.name, {})
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in self.model_storages:
+                saved[storage.data_ptr()] = storage.nbytes()
+                self.kept.append(tensor)
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            result = super().run_node(n)
+        outs = _tensors(result)
+        self.kept.extend(outs)
+        self.out_storages[n.name] = tuple(dict.fromkeys(t.untyped_storage().data_ptr() for t in outs))
         self.out_bytes[n.name] = _nbytes(result)
         self.out_grad[n.name] = any(t.requires_grad for t in _tensors(result))
         if isinstance(result, torch.Tensor):
@@ -412,6 +436,8 @@ def trace_model(model: nn.Module, sample: torch.Tensor, *, profile: bool = False
             name=n.name, op=n.op, target=target, inputs=tuple(i.name for i in n.all_input_nodes),
             params=tuple(q for q, _ in mine), param_bytes=sum(p.numel() * p.element_size() for _, p in mine),
             param_count=sum(p.numel() for _, p in mine), out_bytes=recorder.out_bytes.get(n.name, 0),
+            out_storages=recorder.out_storages.get(n.name, ()),
+            saved=tuple(recorder.saved.get(n.name, {}).items()),
             out_grad=recorder.out_grad.get(n.name, False), out_shape=shape, out_dtype=dtype, batch_dim=batch_dim,
             forward_s=fwd, backward_s=bwd, step_s=step))
     scale = 1.0
@@ -486,8 +512,9 @@ def _is_param(gm: fx.GraphModule, target: str) -> bool:
 
 class _Range(NamedTuple):
     """A range's figures per step of the graph's batch: profiled seconds with its
-    transfers', parameter bytes, bytes of its nodes' outputs (placeholders apart, as
-    ``inputs``), and of the values it receives and sends forward, each once."""
+    transfers', parameter bytes, bytes of what its nodes save for the backward (each
+    storage once, and not the inputs or received values they save), of its inputs
+    (placeholders), and of the values it receives and sends forward, each once."""
 
     seconds: float
     params: int
@@ -524,6 +551,7 @@ class _Costs:
         compute_s, params, activations, inputs = 0.0, 0, 0, 0
         inside: set[str] = set()
         received: set[str] = set()  # once each, however many nodes inside read it
+        held: set[int] = set()  # storages counted: the inputs', the received values', the saved
         waiting: dict[str, int] = {}  # inside, with users at or after hi: sent
         # [messages, bytes] of values received and of values sent, each once, forward and
         # back (a value with a gradient crosses twice).
@@ -541,19 +569,23 @@ class _Costs:
                 params += node.param_bytes
                 if node.op == "placeholder":
                     inputs += node.out_bytes
-                elif node.op != "get_attr":
-                    activations += node.out_bytes
+                    held.update(node.out_storages)
                 for i in node.inputs:
                     if i in received:
                         continue
                     if i not in inside:
                         received.add(i)
+                        held.update(self.graph.by_name[i].out_storages)
                         cross(recv, self.graph.by_name[i], 1)
                     else:
                         waiting[i] -= 1
                         if not waiting[i]:
                             del waiting[i]
                             cross(sent, self.graph.by_name[i], -1)
+                for storage, nbytes in node.saved:  # after its inputs: a saved input counts as one
+                    if storage not in held:
+                        held.add(storage)
+                        activations += nbytes
                 if self.users[node.name]:
                     waiting[node.name] = len(self.users[node.name])
                     cross(sent, node, 1)
@@ -563,7 +595,7 @@ class _Costs:
     def memory(self, r: _Range, holding: Holding = Holding()) -> int:
         """The bytes a stage holding ``r`` needs at once: its parameters, their gradients,
         ``optimizer_slots`` copies of optimizer state and ``holding.weight_copies`` more
-        copies, and the activations (every node's output), inputs and received values of
+        copies, and the activations (what autograd saves), inputs and received values of
         the share of a batch's micro-batches it holds (only inputs and received values
         under recompute, plus one micro-batch's activations)."""
         return (2 + self.optimizer_slots + holding.weight_copies) * r.params + self.held(r, holding)
@@ -687,7 +719,7 @@ def plan_partitions(graph: ModelGraph, stages: int, method: Method = "params", *
                 process, held = _fullest_process(costs, cuts, stages // chunks, per_range)
         if held > cap:
             mine = list(range(process, stages, stages // chunks))
-            needed = _fewest(costs, cap, hold, chunks, stages)
+            needed = _Search(costs).fewest(cap, hold, chunks, stages)
             fix = f"--stages {needed // chunks} or a larger --stage-memory" if needed else "a larger --stage-memory"
             raise ConfigError(f"process {process} would hold model chunks {', '.join(map(str, mine))} of "
                               f"--schedule interleaved, {format_bytes(held)} together, more than --stage-memory "
@@ -754,71 +786,86 @@ def _range_costs(costs: _Costs, method: str, cap: float, per_range: Sequence[Hol
 
 def _no_legal_cut(costs: _Costs, graph: ModelGraph, stages: int, cap: float, per_range: Sequence[Holding],
                   hold: Callable[[int], Sequence[Holding] | None], chunks: int = 1) -> ConfigError:
-    compute = costs.compute
-    for i, name in enumerate(compute):
-        memory = min(costs.measure(i, i + 1, h)[1] for h in set(per_range))
-        if memory > cap:
-            node = graph.by_name[name]
-            return ConfigError(f"node {name} ({node.target}) alone needs {format_bytes(memory)} (parameters, "
-                               f"gradients, optimizer state, activations), more than --stage-memory "
-                               f"{format_bytes(cap)}, so no cut is legal: raise --stage-memory to at least "
-                               f"{format_bytes(memory)}")
-    needed = _fewest(costs, cap, hold, chunks, stages)
-    if needed is None:
-        return ConfigError(f"no cut into any number of stages fits the model under --stage-memory "
-                           f"{format_bytes(cap)}, with what each stage of this pipeline holds at once (micro-batches "
-                           f"in flight, weight copies, a process's chunks together): raise --stage-memory")
+    copies = 2 + costs.optimizer_slots + min(h.weight_copies for h in per_range)
+    for name in costs.compute:  # every range that holds a node holds its parameters
+        node = graph.by_name[name]
+        if copies * node.param_bytes > cap:
+            return ConfigError(f"node {name} ({node.target}) alone needs {format_bytes(copies * node.param_bytes)} "
+                               f"for its parameters, their gradients and optimizer state, more than --stage-memory "
+                               f"{format_bytes(cap)}, so no cut is legal: raise --stage-memory to more than that")
+    search = _Search(costs)
+    least = search.least_cap(per_range)
+    needed = search.fewest(cap, hold, chunks, stages)
     if chunks > 1:
-        return ConfigError(f"{stages} model chunks (--stages {stages // chunks} x --chunks {chunks}) cannot hold the "
-                           f"model under --stage-memory {format_bytes(cap)}; {needed} can: pass --stages "
-                           f"{needed // chunks}, or a larger --stage-memory")
+        what = (f"{stages} model chunks (--stages {stages // chunks} x --chunks {chunks}) cannot hold the model under "
+                f"--stage-memory {format_bytes(cap)}")
+        fit = f"{needed} can: pass --stages {needed // chunks} or" if needed else "pass"
+        return ConfigError(f"{what}; {fit} a larger --stage-memory (one of these chunks alone needs "
+                           f"{format_bytes(least)}, and a process's chunks count together)")
+    what = f"{stages} stage{'s' if stages > 1 else ''} cannot hold the model under --stage-memory {format_bytes(cap)}"
+    if needed is None:
+        most = min(len(costs.compute), MOST_STAGES_SEARCHED)
+        return ConfigError(f"{what}, nor does any number of stages up to {most}, with what each stage of this "
+                           f"pipeline holds at once: pass --stage-memory {format_bytes(least)} or more")
     fewest = "it needs at least" if needed > stages else "it fits in"
-    return ConfigError(f"{stages} stage{'s' if stages > 1 else ''} cannot hold the model under --stage-memory "
-                       f"{format_bytes(cap)}: {fewest} {needed}; pass --stages {needed} or a larger "
-                       f"--stage-memory")
+    return ConfigError(f"{what}: {fewest} {needed}; pass --stages {needed}, or --stage-memory {format_bytes(least)} "
+                       f"for {stages}")
 
 
-def _fewest(costs: _Costs, cap: float, hold: Callable[[int], Sequence[Holding] | None], chunks: int,
-            stages: int) -> int | None:
-    """The fewest ranges other than ``stages`` that hold the model under ``cap``; None if
-    no number does. Under a pipeline what a stage holds changes with the number of stages
-    (stage 0 of 1f1b holds K micro-batches), so each count is tried. A process of
-    interleaved holds v = ``chunks`` ranges, which must fit the cap together."""
-    return next((r for r in range(chunks, len(costs.compute) + 1, chunks)
-                 if r != stages and _fits(costs, cap, hold(r), chunks)), None)
+# Stage counts a refusal's search for one that fits tries (each an exact min-max cut).
+MOST_STAGES_SEARCHED = 32
 
 
-def _fits(costs: _Costs, cap: float, per_range: Sequence[Holding] | None, chunks: int = 1) -> bool:
-    """Whether ranges holding ``per_range`` in turn cover the model under ``cap``, each
-    taking as many nodes as it can (greedy, which no other cut beats: a range that fits
-    still fits when it starts later). With ``chunks`` v > 1, the params cut then also
-    keeps each process's v chunks under it together, as ``plan_partitions`` cuts."""
-    if per_range is None or not _greedy_fits(costs, cap, per_range):
-        return False
-    if chunks == 1:
-        return True
-    processes = len(per_range) // chunks
-    for each in (cap, cap / chunks):
-        cuts = _min_max_cuts(len(costs.compute), len(per_range), _range_costs(costs, "params", each, per_range))
-        if cuts is not None and _fullest_process(costs, cuts, processes, per_range)[1] <= cap:
-            return True
-    return False
+class _Search:
+    """Exact searches over every cut, for a refusal's advice: each range's figures are
+    computed once, and each holding's table of legal ranges once per cap."""
 
+    def __init__(self, costs: _Costs) -> None:
+        self.costs, self.n = costs, len(costs.compute)
+        self.ranges = {(lo, hi): r for lo in range(self.n) for hi, r in enumerate(costs.sweep(lo), lo + 1)}
+        self.tables: dict[tuple[Holding, float], list[list[float]]] = {}
 
-def _greedy_fits(costs: _Costs, cap: float, per_range: Sequence[Holding]) -> bool:
-    lo, n = 0, len(costs.compute)
-    for h in per_range:
-        hi = lo
-        for end, r in enumerate(costs.sweep(lo), lo + 1):
-            if costs.memory(r, h) > cap:
-                break
-            hi = end
-        if hi == lo:
+    def table(self, h: Holding, cap: float | None) -> list[list[float]]:
+        """[lo][hi]: the range's parameter bytes (its memory when ``cap`` is None),
+        math.inf where it needs more than ``cap``."""
+        key = (h, math.inf if cap is None else cap)
+        if key not in self.tables:
+            table = [[math.inf] * (self.n + 1) for _ in range(self.n + 1)]
+            for (lo, hi), r in self.ranges.items():
+                memory = self.costs.memory(r, h)
+                if cap is None or memory <= cap:
+                    table[lo][hi] = float(memory if cap is None else r.params)
+            self.tables[key] = table
+        return self.tables[key]
+
+    def least_cap(self, per_range: Sequence[Holding]) -> int:
+        """The smallest cap under which some cut into len(per_range) ranges fits: the
+        fullest range of the cut that minimises it."""
+        tables = [self.table(h, None) for h in per_range]
+        cuts = _min_max_cuts(self.n, len(per_range), tables)
+        return int(max(tables[s][cuts[s]][cuts[s + 1]] for s in range(len(per_range))))
+
+    def fits(self, cap: float, per_range: Sequence[Holding] | None, chunks: int = 1) -> bool:
+        """Whether ranges holding ``per_range`` in turn can cover the model under ``cap``;
+        with ``chunks`` v > 1, by a params cut (under the cap per chunk, or a v-th of it)
+        that also keeps each process's v chunks under it together, as plan_partitions cuts."""
+        if per_range is None or len(per_range) > self.n:
             return False
-        lo = hi
-        if lo == n:
-            return True
-    return False
+        for each in ((cap,) if chunks == 1 else (cap, cap / chunks)):
+            cuts = _min_max_cuts(self.n, len(per_range), [self.table(h, each) for h in per_range])
+            if cuts is not None and (chunks == 1 or _fullest_process(
+                    self.costs, cuts, len(per_range) // chunks, per_range)[1] <= cap):
+                return True
+        return False
+
+    def fewest(self, cap: float, hold: Callable[[int], Sequence[Holding] | None], chunks: int,
+               stages: int) -> int | None:
+        """The fewest ranges other than ``stages`` (of up to MOST_STAGES_SEARCHED
+        processes) that hold the model under ``cap``; None if none does. Under a pipeline
+        what a stage holds changes with the number of stages (stage 0 of 1f1b holds K
+        micro-batches, and more stages can need more), so each count is tried."""
+        counts = range(chunks, min(self.n, MOST_STAGES_SEARCHED * chunks) + 1, chunks)
+        return next((r for r in counts if r != stages and self.fits(cap, hold(r), chunks)), None)
 
 
 def _make_plan(graph: ModelGraph, costs: _Costs, method: str, cuts: list[int], cap: float,
