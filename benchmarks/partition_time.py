@@ -22,7 +22,7 @@ predicted before pricing). The goal (issue 13): the time cut's slowest stage mea
 within 15 % of its prediction.
 
     python benchmarks/partition_time.py                      # about 40 s on 2 cores
-    python benchmarks/partition_time.py --stages 4 --stage-memory 30MB --hidden 1024
+    python benchmarks/partition_time.py --stages 4 --stage-memory 26.2MB --hidden 1024
 """
 from __future__ import annotations
 
