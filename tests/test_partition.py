@@ -770,3 +770,19 @@ def test_stage_holdings_follow_the_schedule(flags, held, copies):
     cfg = JobConfig.from_flat(dict(model="deep-mlp", stages=2, microbatches=4, schedule="interleaved", chunks=2))
     assert [h.held for h in stage_holdings(cfg)(4)] == [4, 3, 2, 1]  # chunk 0 on each process, then chunk 1
     assert stage_holdings(cfg)(6) is None  # 3 processes: M = 4 is not a multiple of K
+
+
+def test_the_output_node_holds_what_its_loss_saves():
+    """``trace_model(loss=...)``: the tensors the loss saves for its backward count as the
+    output node's, here a cross-entropy's log-softmax (the logits' size) and targets."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 5))
+    x = torch.randn(12, 8)
+    plain = trace_model(model, x)
+    with_loss = trace_model(model, x, loss=lambda out: F.cross_entropy(out, torch.zeros(12, dtype=torch.long)))
+    before, after = (sum(b for _, b in g.by_name[g.output].saved) for g in (plain, with_loss))
+    assert after - before >= 12 * 5 * 4 + 12 * 8
+    assert after - before <= 12 * 5 * 4 + 12 * 8 + 8  # and at most a scalar or two
+    # the other nodes' saves are the same bytes
+    assert [sum(b for _, b in n.saved) for n in plain.nodes if n.name != plain.output] == \
+        [sum(b for _, b in n.saved) for n in with_loss.nodes if n.name != with_loss.output]

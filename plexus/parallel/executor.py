@@ -72,6 +72,7 @@ from plexus.parallel.stages import StageProgram, StageStep, build_stages, join_c
 from plexus.parallel.split_backward import SplitBackward, Template
 from plexus.parallel.stash import WeightStash, delay_lr_scale
 from plexus.parallel.tensor import TensorPlan, merge_tensor_states, predict_traffic
+from plexus.train.evaluation import logits_loss
 
 __all__ = ["StageExecutor", "gather_state", "stage_examples", "make_plan", "peak_bytes", "price_plan", "shared_plan",
            "stage_holdings", "stage_name", "stage_summary"]
@@ -98,7 +99,10 @@ def make_plan(cfg: JobConfig, model: torch.nn.Module, sample: torch.Tensor,
     method = cfg.parallel.partition if split_points is None else "manual"
     if check_only and method == "time":
         method = "params"
-    graph = trace_model(model, sample, profile=method == "time", optimizer=optimizer)
+    # The output stage's loss: its saved log-softmax and targets (class indices) count too.
+    graph = trace_model(model, sample, profile=method == "time", optimizer=optimizer,
+                        loss=lambda out: logits_loss(out, torch.zeros(out.shape[:-1], dtype=torch.long,
+                                                                      device=out.device)))
     inputs = [n.name for n in graph.nodes if n.op == "placeholder"]
     if len(inputs) != 1:
         raise ConfigError(f"--stages {cfg.parallel.stages} runs models that take one input (a batch), and "

@@ -329,8 +329,9 @@ class _Recorder(fx.Interpreter):
         self.out_meta: dict[str, tuple[tuple[int, ...], str]] = {}
         self.times: dict[str, tuple[float, float]] = {}
 
-    def run_node(self, n: fx.Node) -> Any:
-        saved = self.saved.setdefault(n.name, {})
+    def saving(self, name: str, fn: Callable[[], Any]) -> Any:
+        """``fn()``, recording the storages autograd saves in it as node ``name``'s."""
+        saved = self.saved.setdefault(name, {})
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             storage = tensor.untyped_storage()
@@ -340,7 +341,10 @@ class _Recorder(fx.Interpreter):
             return tensor
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            result = super().run_node(n)
+            return fn()
+
+    def run_node(self, n: fx.Node) -> Any:
+        result = self.saving(n.name, lambda: super(_Recorder, self).run_node(n))
         outs = _tensors(result)
         self.kept.extend(outs)
         self.out_storages[n.name] = tuple(dict.fromkeys(t.untyped_storage().data_ptr() for t in outs))
@@ -380,7 +384,8 @@ def _fresh_leaf(v: Any) -> Any:
 
 
 def trace_model(model: nn.Module, sample: torch.Tensor, *, profile: bool = False, repeats: int = 3,
-                optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None) -> ModelGraph:
+                optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
+                loss: Callable[[torch.Tensor], torch.Tensor] | None = None) -> ModelGraph:
     """Trace ``model`` with torch.fx and measure each node on ``sample`` (a batch).
 
     A model that fx cannot trace raises ConfigError naming the first call that failed,
@@ -390,7 +395,9 @@ def trace_model(model: nn.Module, sample: torch.Tensor, *, profile: bool = False
     its own), one step of it over copies of the parameters each node owns; then it
     scales every node's times so that they sum to a whole training step of a copy of
     the model (``ModelGraph.calibration``). It leaves the model's parameters with
-    ``.grad`` None and their values untouched.
+    ``.grad`` None and their values untouched. ``loss``: the criterion the stage holding
+    the output applies to it, whose saved tensors (a cross-entropy's log-softmax and
+    targets) that stage holds until its backward too: they count as the output node's.
     """
     gm = _symbolic(model)
     recorder = _Recorder(gm, repeats if profile else 0)
@@ -400,7 +407,11 @@ def trace_model(model: nn.Module, sample: torch.Tensor, *, profile: bool = False
     # generator (dropout) are as they were, so a traced model trains as an untraced one.
     buffers = {name: b.clone() for name, b in gm.named_buffers()}
     with torch.random.fork_rng(devices=[]), torch.enable_grad():
-        recorder.run(sample)
+        out = recorder.run(sample)
+        if loss is not None and isinstance(out, torch.Tensor):
+            last = next(n for n in gm.graph.nodes if n.op == "output").all_input_nodes
+            if len(last) == 1:
+                recorder.saving(last[0].name, lambda: loss(out))
         bigger.run(torch.cat([sample, sample[:1]]))
         whole = _whole_step(gm, sample, optimizer, repeats) if profile else 0.0
     with torch.no_grad():

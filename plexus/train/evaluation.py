@@ -25,7 +25,12 @@ logger = logging.getLogger(__name__)
 
 def loss_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy; models put classes in the last dimension of their logits."""
-    logits = model(x)
+    return logits_loss(model(x), y)
+
+
+def logits_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of ``logits`` (classes in the last dimension) against class
+    indices ``y``: every model's loss, and a pipeline's output stage's."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 

@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from plexus.cluster.emulation import Emulator
 from plexus.cluster.liveness import exited_key
@@ -47,7 +46,7 @@ from plexus.parallel.tensor import join_tensor_plans, plan_tensor_split, shard_m
 from plexus.strategies import create_strategy
 from plexus.strategies.base import Context, LossFn, StepStats, Strategy, make_optimizer
 from plexus.train.data import load_dataset
-from plexus.train.evaluation import SnapshotEvaluator
+from plexus.train.evaluation import SnapshotEvaluator, logits_loss
 from plexus.train.health import Health, hint
 from plexus.train.metrics import MetricsLog
 from plexus.train.models import build_model
@@ -82,11 +81,6 @@ class Alone(Strategy):
 
     def global_model(self) -> torch.nn.Module:
         return self.model
-
-
-def _loss(output: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of the model's output, as ``evaluation.loss_fn`` computes it."""
-    return F.cross_entropy(output.reshape(-1, output.shape[-1]), y.reshape(-1))
 
 
 def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, data=None) -> None:
@@ -128,7 +122,7 @@ def stage_main(cfg: JobConfig, info: ProcessInfo, store, run_dir: Path | None, d
     if g != stages - 1:  # plan.writer_slot gives the run directory to the last stage's process
         raise ProtocolError(f"stage {i}: the model's output lies in stage {g} of {stages}, not the last")
     traffic = Traffic()
-    own = StageExecutor(cfg, program, plan, store, device, backend, traffic, criterion=_loss, replica=r,
+    own = StageExecutor(cfg, program, plan, store, device, backend, traffic, criterion=logits_loss, replica=r,
                         replicas=replicas, shard=t, shards=shards, tensor=tensor)
     lead = r == 0 and k == g and t == 0  # replica 0's output stage: evaluates, decides and logs
     log = MetricsLog(run_dir if lead else None)
