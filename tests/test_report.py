@@ -552,3 +552,13 @@ def test_pipeline_line_and_shard_names():
     shard = {"stage": 1, "replica": 0, "shard": 1, "tensor_bytes_sent": 10}
     assert stage_name(shard, False) == "stage 1 shard 1"
     assert stage_name({"stage": 1, "replica": 1, "shard": 0}, True) == "replica 1 stage 1"
+
+
+def test_a_pipelined_stage_shows_its_activations_beside_the_plan_on_hover() -> None:
+    from plexus.report.stages import STAGE_HEAD, stage_cells
+    stage = {"stage": 0, "peak_memory_bytes": 2**30, "peak_memory_measure": "ru_maxrss"}
+    column = [head for head, _ in STAGE_HEAD].index("peak memory MiB")
+    assert stage_cells({"stages": [stage]})[0][column][2] == "measured by ru_maxrss"
+    piped = {**stage, "peak_activation_bytes": 3 * 2**19, "planned_activation_bytes": 2**21}
+    assert stage_cells({"stages": [piped]})[0][column] == (
+        "1,024.00", 2**30, "measured by ru_maxrss; activations held at once 1.50 MiB, planned 2.00 MiB")

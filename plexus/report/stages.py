@@ -150,7 +150,8 @@ STAGE_HEAD = (
     ("params", "parameters of the stage's layers"),
     ("compute s", "forward, backward and optimizer step; the plan's prediction on hover where it made one"),
     ("idle s", "waiting for activations or gradients from the neighbouring stages"),
-    ("peak memory MiB", "the process's peak resident memory (how it was measured on hover)"),
+    ("peak memory MiB", "the process's peak resident memory (how it was measured on hover, with a pipeline's "
+                        "activations held at once beside the partition plan's count)"),
     ("MiB sent", "over the cut edges"), ("MiB received", "over the cut edges"),
     ("sync MiB sent", "the stage group's synchronisation across replicas (its strategy's all-reduce, pushes "
                       "and pulls...), not counted on the edges"),
@@ -167,6 +168,10 @@ def stage_cells(summary: Mapping[str, Any]) -> list[list[Cell]]:
         nodes = s.get("nodes") if isinstance(s.get("nodes"), list) else None
         predicted = _number(s.get("predicted_compute_seconds"))
         measure = s.get("peak_memory_measure")
+        memory_hover = f"measured by {measure}" if isinstance(measure, str) else ""
+        held, planned = mib(s.get("peak_activation_bytes")), mib(s.get("planned_activation_bytes"))
+        if held is not None and planned is not None:
+            memory_hover += f"; activations held at once {held:,.2f} MiB, planned {planned:,.2f} MiB"
         out.append([
             (name, name, ""),
             (str(len(nodes)) if nodes is not None else MISSING, len(nodes) if nodes is not None else "",
@@ -174,7 +179,7 @@ def stage_cells(summary: Mapping[str, Any]) -> list[list[Cell]]:
             _count(s.get("params")),
             _secs(s.get("compute_seconds"), f"predicted {predicted:.3f} s" if predicted is not None else ""),
             _secs(s.get("idle_seconds")),
-            _mib(s.get("peak_memory_bytes"), f"measured by {measure}" if isinstance(measure, str) else ""),
+            _mib(s.get("peak_memory_bytes"), memory_hover),
             _mib(s.get("bytes_sent")), _mib(s.get("bytes_recv")), _mib(s.get("sync_bytes_sent")),
         ])
     return out
