@@ -816,8 +816,8 @@ def _no_legal_cut(costs: _Costs, graph: ModelGraph, stages: int, cap: float, per
     what = f"{stages} stage{'s' if stages > 1 else ''} cannot hold the model under --stage-memory {format_bytes(cap)}"
     if needed is None:
         most = min(len(costs.compute), MOST_STAGES_SEARCHED)
-        return ConfigError(f"{what}, nor does any number of stages up to {most}, with what each stage of this "
-                           f"pipeline holds at once: pass --stage-memory {format_bytes(least)} or more")
+        return ConfigError(f"{what}, nor does any number of stages up to {most}, with what each stage holds at "
+                           f"once: pass --stage-memory {format_bytes(least)} or more")
     fewest = "it needs at least" if needed > stages else "it fits in"
     return ConfigError(f"{what}: {fewest} {needed}; pass --stages {needed}, or --stage-memory {format_bytes(least)} "
                        f"for {stages}")
