@@ -720,17 +720,18 @@ def plan_partitions(graph: ModelGraph, stages: int, method: Method = "params", *
     per_range = hold(stages)
     if per_range is None or len(per_range) != stages:
         raise ValueError(f"holdings must give each of the {stages} ranges its Holding, got {per_range}")
-    cuts = _cut(graph, costs, stages, method, split_points, cap, per_range, hold, chunks)
+    ranges = _Ranges(costs)
+    cuts = _cut(graph, ranges, stages, method, split_points, cap, per_range, hold, chunks)
     if chunks > 1 and cap < math.inf:
         process, held = _fullest_process(costs, cuts, stages // chunks, per_range)
         if held > cap and method in ("params", "time"):
-            found = _min_max_cuts(n, stages, _range_costs(costs, method, cap / chunks, per_range))
+            found = _min_max_cuts(n, stages, ranges.tables(method, cap / chunks, per_range))
             if found is not None:  # else no cut fits a v-th of the cap per chunk: the first's excess is the message
                 cuts = found
                 process, held = _fullest_process(costs, cuts, stages // chunks, per_range)
         if held > cap:
             mine = list(range(process, stages, stages // chunks))
-            needed = _Search(costs).fewest(cap, hold, chunks, stages)
+            needed = ranges.fewest(cap, hold, chunks, stages)
             fix = f"--stages {needed // chunks} or a larger --stage-memory" if needed else "a larger --stage-memory"
             raise ConfigError(f"process {process} would hold model chunks {', '.join(map(str, mine))} of "
                               f"--schedule interleaved, {format_bytes(held)} together, more than --stage-memory "
@@ -748,11 +749,11 @@ def _fullest_process(costs: _Costs, cuts: list[int], processes: int,
     return max(enumerate(held), key=lambda pair: pair[1])
 
 
-def _cut(graph: ModelGraph, costs: _Costs, stages: int, method: str, split_points: Sequence[str],
+def _cut(graph: ModelGraph, ranges: _Ranges, stages: int, method: str, split_points: Sequence[str],
          cap: float, per_range: Sequence[Holding], hold: Callable[[int], Sequence[Holding] | None],
          chunks: int = 1) -> list[int]:
-    """The positions in ``costs.compute`` where each of ``stages`` ranges begins, and its end."""
-    compute = costs.compute
+    """The positions in ``ranges.costs.compute`` where each of ``stages`` ranges begins, and its end."""
+    compute = ranges.costs.compute
     n = len(compute)
     if method == "manual":
         if len(split_points) + 1 != stages:
@@ -773,30 +774,16 @@ def _cut(graph: ModelGraph, costs: _Costs, stages: int, method: str, split_point
     else:
         if method == "time" and not graph.profiled:
             raise ValueError("the time method needs a graph traced with profile=True")
-        found = _min_max_cuts(n, stages, _range_costs(costs, method, cap, per_range))
+        found = _min_max_cuts(n, stages, ranges.tables(method, cap, per_range))
         if found is None:
-            raise _no_legal_cut(costs, graph, stages, cap, per_range, hold, chunks)
+            raise _no_legal_cut(ranges, graph, stages, cap, per_range, hold, chunks)
         cuts = found
     return cuts
 
 
-def _range_costs(costs: _Costs, method: str, cap: float, per_range: Sequence[Holding]) -> list[list[list[float]]]:
-    """For each range of the plan, the cost of [lo][hi] as it (params: parameter bytes,
-    time: seconds), math.inf where it would need more than ``cap``: one table per distinct
-    holding, since a pipeline's stages hold different shares."""
-    n = len(costs.compute)
-    kinds = set(per_range) if cap < math.inf else {Holding()}
-    tables = {h: [[math.inf] * (n + 1) for _ in range(n + 1)] for h in kinds}
-    for lo in range(n):
-        for hi, r in enumerate(costs.sweep(lo), lo + 1):
-            for h, table in tables.items():
-                if cap == math.inf or costs.memory(r, h) <= cap:
-                    table[lo][hi] = r.seconds if method == "time" else float(r.params)
-    return [tables[h if cap < math.inf else Holding()] for h in per_range]
-
-
-def _no_legal_cut(costs: _Costs, graph: ModelGraph, stages: int, cap: float, per_range: Sequence[Holding],
+def _no_legal_cut(ranges: _Ranges, graph: ModelGraph, stages: int, cap: float, per_range: Sequence[Holding],
                   hold: Callable[[int], Sequence[Holding] | None], chunks: int = 1) -> ConfigError:
+    costs = ranges.costs
     copies = 2 + costs.optimizer_slots + min(h.weight_copies for h in per_range)
     for name in costs.compute:  # every range that holds a node holds its parameters
         node = graph.by_name[name]
@@ -804,9 +791,8 @@ def _no_legal_cut(costs: _Costs, graph: ModelGraph, stages: int, cap: float, per
             return ConfigError(f"node {name} ({node.target}) alone needs {format_bytes(copies * node.param_bytes)} "
                                f"for its parameters, their gradients and optimizer state, more than --stage-memory "
                                f"{format_bytes(cap)}, so no cut is legal: raise --stage-memory to more than that")
-    search = _Search(costs)
-    least = search.least_cap(per_range)
-    needed = search.fewest(cap, hold, chunks, stages)
+    least = ranges.least_cap(per_range)
+    needed = ranges.fewest(cap, hold, chunks, stages)
     if chunks > 1:
         what = (f"{stages} model chunks (--stages {stages // chunks} x --chunks {chunks}) cannot hold the model under "
                 f"--stage-memory {format_bytes(cap)}")
@@ -827,32 +813,42 @@ def _no_legal_cut(costs: _Costs, graph: ModelGraph, stages: int, cap: float, per
 MOST_STAGES_SEARCHED = 32
 
 
-class _Search:
-    """Exact searches over every cut, for a refusal's advice: each range's figures are
-    computed once, and each holding's table of legal ranges once per cap."""
+class _Ranges:
+    """Every range's figures, swept once on first use, and tables of them by holding and
+    cap for the min-max searches: the plan's cut, and a refusal's advice."""
 
     def __init__(self, costs: _Costs) -> None:
         self.costs, self.n = costs, len(costs.compute)
-        self.ranges = {(lo, hi): r for lo in range(self.n) for hi, r in enumerate(costs.sweep(lo), lo + 1)}
-        self.tables: dict[tuple[Holding, float], list[list[float]]] = {}
+        self._figures: dict[tuple[int, int], _Range] | None = None
+        self._tables: dict[tuple[str, Holding, float], list[list[float]]] = {}
 
-    def table(self, h: Holding, cap: float | None) -> list[list[float]]:
-        """[lo][hi]: the range's parameter bytes (its memory when ``cap`` is None),
-        math.inf where it needs more than ``cap``."""
-        key = (h, math.inf if cap is None else cap)
-        if key not in self.tables:
+    def table(self, value: str, h: Holding, cap: float) -> list[list[float]]:
+        """[lo][hi]: the range's parameter bytes, seconds or memory under ``h``
+        (``value``: params, time or memory), math.inf where under ``h`` it needs more
+        than ``cap``."""
+        if cap == math.inf and value != "memory":
+            h = Holding()  # every range is legal, whatever it holds: one table for all
+        key = (value, h, cap)
+        if key not in self._tables:
+            if self._figures is None:
+                self._figures = {(lo, hi): r for lo in range(self.n)
+                                 for hi, r in enumerate(self.costs.sweep(lo), lo + 1)}
             table = [[math.inf] * (self.n + 1) for _ in range(self.n + 1)]
-            for (lo, hi), r in self.ranges.items():
+            for (lo, hi), r in self._figures.items():
                 memory = self.costs.memory(r, h)
-                if cap is None or memory <= cap:
-                    table[lo][hi] = float(memory if cap is None else r.params)
-            self.tables[key] = table
-        return self.tables[key]
+                if memory <= cap:
+                    table[lo][hi] = float(r.params if value == "params" else r.seconds if value == "time" else memory)
+            self._tables[key] = table
+        return self._tables[key]
+
+    def tables(self, value: str, cap: float, per_range: Sequence[Holding]) -> list[list[list[float]]]:
+        """``table`` for each range of a plan, by its holding."""
+        return [self.table(value, h, cap) for h in per_range]
 
     def least_cap(self, per_range: Sequence[Holding]) -> int:
         """The smallest cap under which some cut into len(per_range) ranges fits: the
         fullest range of the cut that minimises it."""
-        tables = [self.table(h, None) for h in per_range]
+        tables = self.tables("memory", math.inf, per_range)
         cuts = _min_max_cuts(self.n, len(per_range), tables)
         return int(max(tables[s][cuts[s]][cuts[s + 1]] for s in range(len(per_range))))
 
@@ -863,7 +859,7 @@ class _Search:
         if per_range is None or len(per_range) > self.n:
             return False
         for each in ((cap,) if chunks == 1 else (cap, cap / chunks)):
-            cuts = _min_max_cuts(self.n, len(per_range), [self.table(h, each) for h in per_range])
+            cuts = _min_max_cuts(self.n, len(per_range), self.tables("params", each, per_range))
             if cuts is not None and (chunks == 1 or _fullest_process(
                     self.costs, cuts, len(per_range) // chunks, per_range)[1] <= cap):
                 return True
