@@ -148,9 +148,8 @@ def stage_holdings(cfg: JobConfig) -> Callable[[int], list[Holding] | None] | No
         for r in range(ranges):
             chunk, stage = divmod(r, stages)
             copies = 0
-            if asynchronous:
-                ahead = compensated_delay(par.schedule, stages, stage, par.vertical_sync, par.delay_compensation)
-                copies = schedule.max_versions(stage) + (ahead > 0)
+            if asynchronous:  # a stage that predicts (compensation, a delay) keeps the prediction's base too
+                copies = schedule.max_versions(stage) + (par.delay_compensation and schedule.delay(stage) > 0)
             out.append(Holding(held=schedule.max_in_flight(stage, chunk if par.chunks > 1 else None),
                                microbatches=par.microbatches, weight_copies=copies, recompute=par.recompute))
         return out
