@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
 from plexus.cli import main
-from plexus.collectives.cost import cost
+from plexus.collectives.cost import Network, cost
 from plexus.config import JobConfig
 from plexus.sim.cluster import ComputeModel, SimSpec, network_of, parse_fail
+from plexus.sim.engines import master_round
 from plexus.sim.events import EventQueue
 from plexus.sim.run import simulate
 
@@ -160,6 +162,49 @@ def test_allreduce_time_is_the_slowest_compute_plus_the_modelled_all_reduce(tmp_
     assert comm == pytest.approx(cost("ring", 4, 26122 * 4, network=network_of(cfg.cluster.net)).time)
     assert summary["wall_seconds"] == pytest.approx(10 * (3 * (2e-3 + share * 1e-4) + comm))
     assert summary["final_test_accuracy"] is None  # --timing-only: no maths
+
+
+def test_master_staggers_its_workers_as_the_emulated_cards_do(tmp_path):
+    """Rank 0 takes the gradients in one at a time and sends the sum out one worker after
+    another, latency overlapping: the first step costs 2 alpha + 2 (P - 1) N beta, and then
+    worker 1 computes while the sum is still on its way to worker 3, so a step costs
+    P N beta + 2 alpha plus the compute (the closed form's 2 (P - 1)(alpha + N beta) is
+    what it would cost if every worker started together and each latency came in turn)."""
+    net = Network(alpha=1e-3, beta=1e-8, gamma=0.0)
+    nbytes, wire = 100_000, 1e-3
+    held = master_round(np.zeros(4), nbytes, net)
+    start = 1e-3 + 3 * wire
+    assert held.tolist() == pytest.approx([start + 2 * wire, start + wire + 1e-3, start + 2 * wire + 1e-3,
+                                           start + 3 * wire + 1e-3])
+    # Two ranks: one message each way, the closed form exactly.
+    assert master_round(np.zeros(2), nbytes, net)[1] == pytest.approx(cost("master", 2, nbytes, network=net).time)
+    # A whole run: 4 workers, compute c per step, the digits MLP's 26,122 float32s.
+    cfg = _cfg(algorithm="master", steps=10, net="latency=1ms,bandwidth=100mbit")
+    c, n = 2e-3, 26122 * 4
+    summary = _sim(tmp_path, "m", cfg, compute=ComputeModel(per_sample=0.0, overhead=c), timing_only=True)
+    net = network_of(cfg.cluster.net)
+    alpha, wire, reduce = net.alpha, n * net.beta, 3 * n * net.gamma
+    first = c + 2 * alpha + 6 * wire + reduce
+    assert summary["wall_seconds"] == pytest.approx(first + 9 * (4 * wire + 2 * alpha + c + reduce))
+
+
+def test_gossip_exchanges_overlap_the_gradient_not_the_work_after_it(tmp_path):
+    """D-PSGD, combine-first: a replica reaches a neighbour alpha + N beta after the step
+    starts; the gradient overlaps that, the mixing and optimizer after it (``outside``) do
+    not. On a ring of 4 each worker sends to its lower neighbour first, so workers 0 and 1
+    get both replicas at alpha + 2 N beta (their card takes them one at a time) and workers
+    2 and 3 a wire later, a lag that the job carries to its end."""
+    for workers, gradients in ((2, (0.5, 2.0)), (4, (0.5,))):
+        cfg = _cfg(strategy="gossip", topology="ring", workers=workers, steps=10,
+                   net="latency=1ms,bandwidth=100mbit")
+        net = network_of(cfg.cluster.net)
+        wire = 26122 * 4 * net.beta
+        exchange = net.alpha + (workers // 2) * wire
+        for share in gradients:
+            summary = _sim(tmp_path, f"g{workers}-{share}", cfg, timing_only=True,
+                           compute=ComputeModel(per_sample=0.0, overhead=share * exchange, outside=1e-3))
+            lag = wire if workers == 4 else 0.0
+            assert summary["wall_seconds"] == pytest.approx(10 * (max(share * exchange, exchange) + 1e-3) + lag)
 
 
 def test_staleness_under_asp_grows_with_the_workers(tmp_path):

@@ -9,7 +9,12 @@ times are measured here by profiling the job's model on this machine (``profile_
 ``--compute SECONDS`` gives ``per_sample`` instead, with no overhead.
 
 Network: Hockney's alpha-beta model with a reduction term (``collectives/cost.py``):
-``--net latency=…,bandwidth=…`` gives alpha and 1/beta, per message and per link.
+``--net latency=…,bandwidth=…`` gives alpha and 1/beta, per message and per link. Where
+messages from several ranks meet at one (a master's gather, a gossip worker's neighbours)
+the simulator follows them through one card per rank as ``--net`` emulates it
+(``cluster/emulation.py``): a message occupies its sender's card for its bytes x beta, in
+the order sent, arrives alpha after it left (latency overlaps, it is not paid in turn),
+and the receiver's card takes in one message at a time (``take_in``).
 
 Failures: ``--fail worker:K@t=SECONDS`` kills one process at a virtual time;
 ``--fail-rate R`` gives each worker an exponential lifetime of mean 1/R machine-hours.
@@ -27,7 +32,7 @@ from plexus.collectives.cost import Network
 from plexus.errors import ConfigError
 
 __all__ = ["ComputeModel", "FailSpec", "SimSpec", "parse_jitter", "parse_fail", "profile_compute", "network_of",
-           "DEFAULT_NETWORK"]
+           "DEFAULT_NETWORK", "take_in"]
 
 # With no --net: a 10 Gbit/s link with 50 us per message (a data-centre network), and
 # 0.25 ns per reduced byte (cost.Network's default).
@@ -40,6 +45,9 @@ class ComputeModel:
     # to be measured here (``profile_compute``).
     per_sample: float | None
     overhead: float = 0.0
+    # Seconds of every step outside forward and backward (Python, the optimizer, handling
+    # messages), which communication does not overlap; ``--validate`` calibrates it.
+    outside: float = 0.0
     # "none", "lognormal:CV" or "pareto:A".
     jitter: str = "none"
     # Whether per_sample and overhead were measured here (else given by --compute).
@@ -49,12 +57,23 @@ class ComputeModel:
         if self.per_sample is not None and not (self.per_sample >= 0 and math.isfinite(self.per_sample)):
             raise ConfigError(f"--compute must be a finite time >= 0 seconds per sample, got {self.per_sample!r}: "
                               f"pass --compute 2e-5 for example, or leave it out to measure it here")
-        if not (self.overhead >= 0 and math.isfinite(self.overhead)):
-            raise ConfigError(f"a step's compute overhead must be >= 0 seconds, got {self.overhead!r}")
+        for name in ("overhead", "outside"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ConfigError(f"a step's compute {name} must be >= 0 seconds, got {value!r}")
         parse_jitter(self.jitter)
 
     def step_time(self, samples: int) -> float:
-        return self.overhead + samples * self.per_sample
+        return self.overhead + self.outside + samples * self.per_sample
+
+
+def take_in(first_bytes, wire: float) -> float:
+    """When the last of messages whose first bytes reach one card at ``first_bytes`` is in,
+    each ``wire`` seconds long, the card taking in one at a time in the order they come."""
+    free = -math.inf
+    for first in sorted(first_bytes):
+        free = max(free, first) + wire
+    return free
 
 
 def parse_jitter(text: str) -> tuple[str, float]:

@@ -12,7 +12,13 @@ Time model (documented in the README):
 
 - allreduce: a step takes the slowest worker's compute plus the modelled time of the
   all-reduce of every bucket one after the other (no overlap of communication with
-  backward: exact for a model of one bucket, which the built-in models are).
+  backward: exact for a model of one bucket, which the built-in models are). ``master``
+  is timed message by message instead (``master_round``), because its workers do not
+  finish together: rank 0 sends the sum to one worker after another, so worker 1 computes
+  its next gradient while the sum is still on its way to the last, and their gradients
+  reach rank 0 staggered. In steady state a step then takes about P N beta + 2 alpha plus
+  a worker's compute, where the closed form's 2(P - 1)(alpha + N beta) assumes every
+  worker starts together and pays each latency in turn.
 - ps: a push occupies the worker's link for alpha + N beta (N the gradient's bytes); each
   server's link takes its shard's bytes one message at a time (a FIFO, so P workers
   pushing at once queue there: the parameter server's bottleneck); the server applies an
@@ -31,17 +37,17 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from plexus.collectives.cost import cost
+from plexus.collectives.cost import Network, cost
 from plexus.config import JobConfig
 from plexus.ps.consistency import Push, make_consistency, is_synchronous
 from plexus.ps.optimizers import make_server_optimizer
 from plexus.ps.staleness import StalenessHistogram, staleness_lr_scale
-from plexus.sim.cluster import Jitter, SimSpec
+from plexus.sim.cluster import Jitter, SimSpec, take_in
 from plexus.sim.events import EventQueue
 from plexus.sim.maths import BucketedGradients, Replica
 from plexus.train.batches import GlobalBatches, PartitionBatches
 
-__all__ = ["Outcome", "Simulation", "AllReduceSim", "ParameterServerSim", "server_update"]
+__all__ = ["Outcome", "Simulation", "AllReduceSim", "ParameterServerSim", "server_update", "master_round"]
 
 # Bytes of a message header on the wire (ps/protocol.py's int64 header, rounded).
 HEADER_BYTES = 128
@@ -82,6 +88,7 @@ class Simulation:
         slow = {s.rank: s.factor for s in cfg.cluster.slow if s.role == "worker"}
         self.slow = np.array([slow.get(r, 1.0) for r in range(self.workers)])
         self.base_compute = spec.compute.step_time(self.share)
+        self.outside = spec.compute.outside  # of base_compute: a step's work besides forward and backward
         self.numel = replica.numel if replica is not None else spec.extra["numel"]
         self.nbytes = self.numel * 4
         self.net = spec.network
@@ -148,6 +155,9 @@ class AllReduceSim(Simulation):
         algorithm = "ring" if s.algorithm == "native" else s.algorithm  # gloo's all-reduce is a ring
         costs = [cost(algorithm, p, n, network=self.net, local_size=s.local_size or 2) for n in bucket_bytes]
         comm = sum(c.time for c in costs)
+        staggered = algorithm == "master" and p > 1
+        ready = np.zeros(p)  # staggered: when each worker holds the last step's sum
+        comm_total = 0.0
         sent = np.zeros(p, dtype=np.int64)
         for c in costs:
             sent += np.asarray(c.sent, dtype=np.int64)
@@ -157,7 +167,16 @@ class AllReduceSim(Simulation):
         exact = p <= spec.exact_up_to
         for step in range(steps):
             times = self.compute_times()
-            end = now + float(times.max()) + comm
+            if staggered:
+                held = ready + times
+                for n in bucket_bytes:
+                    held = master_round(held, n, self.net)
+                end = float(held.max())
+                comm_total += end - float((ready + times).max())
+            else:
+                end = now + float(times.max()) + comm
+                held = np.full(p, end)
+                comm_total += comm
             if deaths and deaths[0][0] < end:
                 t, r = deaths[0]
                 # A synchronous group cannot go on without a member: the collective times
@@ -184,7 +203,7 @@ class AllReduceSim(Simulation):
                     loss = grads.whole_batch(x[:p * self.share], y[:p * self.share])
                 optimizer.step()
             compute_total += float(times.mean())
-            now = end
+            now, ready = end, held
             out.steps = step + 1
             done = out.steps
             if done % cfg.run.log_every == 0 or done == steps:
@@ -201,10 +220,27 @@ class AllReduceSim(Simulation):
         out.compute_seconds = compute_total
         out.wait_seconds = now - compute_total
         out.events = out.steps  # one virtual-time advance per step: nothing else happens between
-        out.extra = {"algorithm_seconds_per_step": comm, "algorithm_modelled": algorithm,
+        out.extra = {"algorithm_seconds_per_step": comm_total / out.steps if out.steps else comm,
+                     "algorithm_modelled": algorithm + (", staggered" if staggered else ""),
                      "gradients": "per worker, summed in the algorithm's order" if exact else
                      "the whole global batch in one backward (the same mean, other rounding)"}
         return out
+
+
+def master_round(ready: np.ndarray, nbytes: int, net: Network) -> np.ndarray:
+    """When each rank holds the sum of a ``master`` all-reduce of ``nbytes`` bytes whose
+    rank r has its vector ready at ``ready[r]``, under one card per rank as ``--net``
+    emulates it (``cluster/emulation.py``): a message occupies the sender's card for
+    nbytes x beta, arrives alpha after it left, and the receiver's card takes in one
+    message at a time. Rank 0 takes the others' vectors in the order they arrive, adds
+    them ((P - 1) nbytes gamma), and sends the sum to ranks 1, 2, ..., P - 1 one after
+    another; rank 0 itself goes on once the last send has left its card."""
+    p, wire = len(ready), nbytes * net.beta
+    gathered = take_in([float(t) + net.alpha for t in ready[1:]], wire)
+    start = max(gathered, float(ready[0])) + (p - 1) * nbytes * net.gamma
+    held = start + np.arange(p) * wire + net.alpha
+    held[0] = start + (p - 2) * wire
+    return held
 
 
 def _buckets_of(sizes: list[int], bucket_bytes: int) -> list[int]:

@@ -8,11 +8,13 @@ the period and AdaComm), so a simulated run of a few workers equals the real one
 
 Time: each worker has its own clock. Local SGD: a worker's local steps add its compute
 times; an averaging waits for the slowest worker, then takes the modelled all-reduce of
-the parameters (``collectives/cost.py``). Gossip: a worker sends its replica to each
-neighbour through its one link (degree x (alpha + N beta)); with combine-first the
-exchange overlaps the gradient, and a worker's step ends when its own gradient and its
-neighbours' replicas are in: there is no global barrier, only neighbours wait for each
-other.
+the parameters (``collectives/cost.py``). Gossip: a worker sends its replica to its
+neighbours one after another through its card, and takes theirs in one at a time
+(``cluster.take_in``); with combine-first the exchange overlaps the gradient (forward and
+backward), and a worker's step ends when its own gradient and its neighbours' replicas
+are in, plus the step's work outside forward and backward (``ComputeModel.outside``: the
+mixing, the optimizer), which follows the exchange: there is no global barrier, only
+neighbours wait for each other.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from plexus.collectives.cost import cost
 from plexus.decentral.adacomm import AveragingSchedule
 from plexus.decentral.averaging import FlatParameters, consensus_distance, mix, optimizer_buffers
 from plexus.decentral.topology import make_topology
+from plexus.sim.cluster import take_in
 from plexus.sim.engines import Outcome, Simulation
 from plexus.sim.maths import rank_sum, ring_sum
 from plexus.strategies.base import make_optimizer
@@ -216,18 +219,21 @@ class GossipSim(_Replicas):
             peers = [topology.peers(r, step) for r in range(p)]
             times = self.compute_times()
             compute += times
-            degree = np.array([len(n) for n in peers])
-            send = degree * (self.net.alpha + self.nbytes * self.net.beta)
-            sent += degree * self.nbytes
-            # When each replica leaves: at the step's start (combine-first, overlapping the
-            # gradient) or after the local step (adapt-first); it arrives after the link.
-            leaves = clocks if combine else clocks + times
-            arrive = leaves + send
-            ready = clocks + times
+            sent += np.array([len(n) for n in peers]) * self.nbytes
+            # The part of a step after the exchange, and the gradient before it.
+            after = times * (self.outside / self.base_compute if self.base_compute else 0.0)
+            gradient = times - after
+            # When each worker's sends start: at the step's start (combine-first,
+            # overlapping the gradient) or after the local step (adapt-first). Its k-th
+            # neighbour's copy leaves k wires later and its first byte arrives alpha after.
+            leaves = clocks if combine else clocks + gradient
+            wire = self.nbytes * self.net.beta
+            first = {(j, r): leaves[j] + k * wire + self.net.alpha for j in range(p) for k, r in enumerate(peers[j])}
+            ready = clocks + gradient
             for r in range(p):
                 if peers[r]:
-                    ready[r] = max(ready[r], max(arrive[j] for j in peers[r]))
-            clocks = ready
+                    ready[r] = max(ready[r], take_in([first[j, r] for j in peers[r]], wire))
+            clocks = ready + after
             loss = None
             if maths:
                 idx = batches.indices(step)

@@ -113,7 +113,7 @@ def validate(out: Path, workers: tuple[int, ...] = (2, 4, 8), steps: int = 150, 
     def simulated(name: str, p: int, overhead: float, folder: str) -> dict:
         cfg = _cfg(name, p, steps, target, out / f"{folder}-{p}-{name.replace(' ', '_')}", net)
         spec = SimSpec(workers=p, servers=cfg.cluster.servers, network=network,
-                       compute=ComputeModel(per_sample=per_sample[p], overhead=overhead, measured=True))
+                       compute=ComputeModel(per_sample=per_sample[p], outside=overhead, measured=True))
         return simulate(cfg, spec, prepare_run_dir(cfg))
 
     overhead = {}
