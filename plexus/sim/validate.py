@@ -21,7 +21,9 @@ Last, the part of its real time per step that the model does not explain (real m
 simulated, at each P, if positive) becomes a per-step overhead of every worker's step in
 every configuration at that P: the work of a step outside forward and backward (Python,
 the optimizer, message handling, waiting to be scheduled among P processes on this
-machine's cores), which is this machine's too.
+machine's cores), which is this machine's too. The simulator takes it as
+``ComputeModel.outside``: part of every step, and for D-PSGD the part after the exchange,
+which the gradient's overlap with it does not hide.
 
 The other five configurations are predictions. The table gives time per step and time to
 the target accuracy, real against simulated, with the relative error, and whether the
