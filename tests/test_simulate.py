@@ -20,7 +20,7 @@ import torch
 from plexus.cli import main
 from plexus.collectives.cost import Network, cost
 from plexus.config import JobConfig
-from plexus.sim.cluster import ComputeModel, SimSpec, network_of, parse_fail
+from plexus.sim.cluster import ComputeModel, SimSpec, network_of, parse_fail, take_in
 from plexus.sim.engines import master_round
 from plexus.sim.events import EventQueue
 from plexus.sim.run import simulate
@@ -162,6 +162,12 @@ def test_allreduce_time_is_the_slowest_compute_plus_the_modelled_all_reduce(tmp_
     assert comm == pytest.approx(cost("ring", 4, 26122 * 4, network=network_of(cfg.cluster.net)).time)
     assert summary["wall_seconds"] == pytest.approx(10 * (3 * (2e-3 + share * 1e-4) + comm))
     assert summary["final_test_accuracy"] is None  # --timing-only: no maths
+
+
+def test_a_card_takes_messages_in_one_at_a_time_in_the_order_they_come():
+    assert take_in([3.0, 1.0, 1.0], 2.0) == 7.0   # two at once queue: 1-3, 3-5; the third waits until 5
+    assert take_in([0.0, 5.0], 2.0) == 7.0        # spaced wider than a wire: no queue
+    assert take_in([4.0, 0.0, 1.0], 0.5) == 4.5   # the card is idle when the last comes
 
 
 def test_master_staggers_its_workers_as_the_emulated_cards_do(tmp_path):

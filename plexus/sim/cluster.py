@@ -70,10 +70,11 @@ class ComputeModel:
 def take_in(first_bytes, wire: float) -> float:
     """When the last of messages whose first bytes reach one card at ``first_bytes`` is in,
     each ``wire`` seconds long, the card taking in one at a time in the order they come."""
-    free = -math.inf
-    for first in sorted(first_bytes):
-        free = max(free, first) + wire
-    return free
+    first = np.sort(np.asarray(first_bytes, dtype=np.float64))
+    if not first.size:
+        return -math.inf
+    # The last of n ends n - j wires after the j-th first byte (in order) whose queue it joins.
+    return float(np.max(first - np.arange(first.size) * wire) + first.size * wire)
 
 
 def parse_jitter(text: str) -> tuple[str, float]:

@@ -236,7 +236,7 @@ def master_round(ready: np.ndarray, nbytes: int, net: Network) -> np.ndarray:
     them ((P - 1) nbytes gamma), and sends the sum to ranks 1, 2, ..., P - 1 one after
     another; rank 0 itself goes on once the last send has left its card."""
     p, wire = len(ready), nbytes * net.beta
-    gathered = take_in([float(t) + net.alpha for t in ready[1:]], wire)
+    gathered = take_in(ready[1:] + net.alpha, wire)
     start = max(gathered, float(ready[0])) + (p - 1) * nbytes * net.gamma
     held = start + np.arange(p) * wire + net.alpha
     held[0] = start + (p - 2) * wire
