@@ -32,7 +32,7 @@ from plexus.collectives.cost import Network
 from plexus.errors import ConfigError
 
 __all__ = ["ComputeModel", "FailSpec", "SimSpec", "parse_jitter", "parse_fail", "profile_compute", "network_of",
-           "DEFAULT_NETWORK", "take_in"]
+           "DEFAULT_NETWORK", "take_in", "take_in_each"]
 
 # With no --net: a 10 Gbit/s link with 50 us per message (a data-centre network), and
 # 0.25 ns per reduced byte (cost.Network's default).
@@ -70,11 +70,25 @@ class ComputeModel:
 def take_in(first_bytes, wire: float) -> float:
     """When the last of messages whose first bytes reach one card at ``first_bytes`` is in,
     each ``wire`` seconds long, the card taking in one at a time in the order they come."""
-    first = np.sort(np.asarray(first_bytes, dtype=np.float64))
-    if not first.size:
-        return -math.inf
+    first = np.asarray(first_bytes, dtype=np.float64)
+    return float(take_in_each(np.zeros(first.size, dtype=np.int64), first, wire, 1)[0])
+
+
+def take_in_each(receivers: np.ndarray, first_bytes: np.ndarray, wire: float, ranks: int) -> np.ndarray:
+    """``take_in`` for every card at once: message i reaches card ``receivers[i]`` (of
+    ``ranks``) with its first byte at ``first_bytes[i]``; returns when each card has taken
+    its last message in (-inf for a card that gets none)."""
+    order = np.lexsort((first_bytes, receivers))
+    card, first = receivers[order], first_bytes[order]
+    out = np.full(ranks, -math.inf)
+    if not card.size:
+        return out
+    starts = np.flatnonzero(np.r_[True, card[1:] != card[:-1]])
+    counts = np.diff(np.r_[starts, card.size])
+    place = np.arange(card.size) - np.repeat(starts, counts)  # each message's place in its card's queue
     # The last of n ends n - j wires after the j-th first byte (in order) whose queue it joins.
-    return float(np.max(first - np.arange(first.size) * wire) + first.size * wire)
+    out[card[starts]] = np.maximum.reduceat(first - place * wire, starts) + counts * wire
+    return out
 
 
 def parse_jitter(text: str) -> tuple[str, float]:

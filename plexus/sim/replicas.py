@@ -27,7 +27,7 @@ from plexus.collectives.cost import cost
 from plexus.decentral.adacomm import AveragingSchedule
 from plexus.decentral.averaging import FlatParameters, consensus_distance, mix, optimizer_buffers
 from plexus.decentral.topology import make_topology
-from plexus.sim.cluster import take_in
+from plexus.sim.cluster import take_in_each
 from plexus.sim.engines import Outcome, Simulation
 from plexus.sim.maths import rank_sum, ring_sum
 from plexus.strategies.base import make_optimizer
@@ -215,6 +215,7 @@ class GossipSim(_Replicas):
         clocks, compute = np.zeros(p), np.zeros(p)
         sent = np.zeros(p, dtype=np.int64)
         out = Outcome()
+        edges_of = None  # the peers the message arrays below were made for
         for step in range(steps):
             peers = [topology.peers(r, step) for r in range(p)]
             times = self.compute_times()
@@ -227,13 +228,13 @@ class GossipSim(_Replicas):
             # overlapping the gradient) or after the local step (adapt-first). Its k-th
             # neighbour's copy leaves k wires later and its first byte arrives alpha after.
             leaves = clocks if combine else clocks + gradient
+            if peers != edges_of:
+                edges_of = peers
+                edges = [(j, r, k) for j in range(p) for k, r in enumerate(peers[j])]  # j's k-th send is to r
+                src, dst, place = np.array(edges, dtype=np.int64).reshape(-1, 3).T
             wire = self.nbytes * self.net.beta
-            first = {(j, r): leaves[j] + k * wire + self.net.alpha for j in range(p) for k, r in enumerate(peers[j])}
-            ready = clocks + gradient
-            for r in range(p):
-                if peers[r]:
-                    ready[r] = max(ready[r], take_in([first[j, r] for j in peers[r]], wire))
-            clocks = ready + after
+            arrived = take_in_each(dst, leaves[src] + place * wire + self.net.alpha, wire, p)
+            clocks = np.maximum(clocks + gradient, arrived) + after
             loss = None
             if maths:
                 idx = batches.indices(step)
