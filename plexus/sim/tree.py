@@ -159,8 +159,9 @@ class TreePsSim(Simulation):
         self._send(node, self.tree.parent(node), entry)
 
     def _acked(self, r: int, weights, version: int) -> None:
-        """adv-star: the root took worker ``r``'s push. One gradient is in flight at a time,
-        and the next is computed only now, on the newest weights the reader brought (the
+        """adv-star: the root took worker ``r``'s push (on arrival, before the gate applies
+        it). One gradient is in flight at a time, and the next is computed only now, on the
+        newest weights the reader has brought, which need not yet hold the last push (the
         real learner waits here: computing meanwhile added a trip up the tree to every
         gradient's staleness, ``strategies/tree_ps.py``)."""
         self.end = self.queue.now
@@ -204,8 +205,11 @@ class TreePsSim(Simulation):
         return self.root_msg if node == ROOT else self.msg
 
     def _reply(self, src: Node, dst: Node, weights, version: int, entry: _Entry) -> None:
-        """Weights from ``src`` to child ``dst`` (the answer to ``entry``), on ``src``'s link."""
-        depart = max(self.queue.now, self.link_out.get(src, 0.0)) + self._bytes(src) * self.net.beta
+        """Weights from ``src`` to child ``dst`` (the answer to ``entry``), on ``src``'s link;
+        under adv-star the answer to a push is an acknowledgement, a header without weights
+        (``ps/server.py`` and ``ps/aggregator.py`` answer PUSH so), and only reads carry them."""
+        size = HEADER_BYTES if self.star and entry is not None else self._bytes(src)
+        depart = max(self.queue.now, self.link_out.get(src, 0.0)) + size * self.net.beta
         self.link_out[src] = depart
         if dst.role == "worker":
             answer = self._acked if self.star and entry is not None else self._weights_reach
@@ -286,6 +290,9 @@ class TreePsSim(Simulation):
         groups = self.gate.push(Push(sender, clock, version, entry, weight=len(entry.members)))
         for group in groups:
             self._apply(group)
+        if self.star:  # a plain push: the servers acknowledge it on arrival, whatever the gate
+            self._reply(ROOT, self.root_children[sender], None, self.version, entry)
+            return
         self.root_waiting.append((sender, entry))
         self._serve()
 
