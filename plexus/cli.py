@@ -589,16 +589,22 @@ def _summary_line(summary: dict[str, Any]) -> str:
     return line
 
 
+def _warn_health(summary: dict[str, Any]) -> None:
+    """One line on stderr when the run stalled or diverged, with the hint."""
+    if summary.get("health") in (None, "ok"):
+        return
+    where = ""
+    if summary.get("diverging_workers"):
+        where = f" on worker(s) {', '.join(map(str, summary['diverging_workers']))}"
+    print(f"warning: training {summary['health']}{where} (detected at step {summary['health_step']}): "
+          f"{summary['health_hint']}", file=sys.stderr)
+
+
 def _print_summary(summary: dict[str, Any], run_dir: str, as_json: bool) -> None:
     print(_summary_line(summary))
     if summary.get("ledger_verdict"):  # --ledger: the run's own check of every push
         print(summary["ledger_verdict"])
-    if summary.get("health", "ok") != "ok":
-        where = ""
-        if summary.get("diverging_workers"):
-            where = f" on worker(s) {', '.join(map(str, summary['diverging_workers']))}"
-        print(f"warning: training {summary['health']}{where} (detected at step {summary['health_step']}): "
-              f"{summary['health_hint']}", file=sys.stderr)
+    _warn_health(summary)
     print(f"run directory: {run_dir}")
     if as_json:
         print(json.dumps({**summary, "run_dir": run_dir}))
@@ -1025,6 +1031,7 @@ def _simulate(args: argparse.Namespace) -> int:
           f"{summary['sim']['events']:,} events)  {summary['bytes_sent_total'] / 2**20:,.2f} MiB sent")
     if summary["status"] != "completed":
         print(f"plexus: the simulated job failed: {summary['error']}", file=sys.stderr)
+    _warn_health(summary)
     print(f"run directory: {run_dir}")
     if cfg.run.json:
         print(json.dumps(summary))

@@ -270,6 +270,23 @@ def test_the_cli_writes_a_run_directory_marked_simulated_and_stops_at_a_target(t
     assert "simulated 8 workers" in out
 
 
+def test_a_simulated_run_that_does_not_learn_is_judged_stalled_with_its_hint(tmp_path, capsys):
+    """As a real run is (train/health.py): the training losses, here one per --log-every
+    steps, and a final accuracy no better than chance. A rate of 1e-6 leaves the loss where
+    it starts: at --log-every 1 the loss rule fires at step 29 as in the real test
+    (test_health.py), and the summary, compare's judging and the CLI's warning say so."""
+    code = main(["simulate", "--workers", "2", "--steps", "60", "--lr", "1e-6", "--log-every", "1",
+                 "--out", str(tmp_path / "run"), "--json"])
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out.strip().splitlines()[-1])
+    assert code == 0 and summary["health"] == "stalled" and summary["health_step"] == 29
+    assert "change --lr" in summary["health_hint"] and "warning: training stalled" in captured.err
+    healthy = _sim(tmp_path, "ok", _cfg(workers=2, steps=60))
+    assert healthy["health"] == "ok" and healthy["health_hint"] is None
+    timing = _sim(tmp_path, "t", _cfg(workers=2, steps=20), timing_only=True)
+    assert "health" not in timing  # no maths, no losses: nothing to judge
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--sim-workers", "0"], "--sim-workers must be at least 1"),
     (["--compute", "-0.001"], "--compute must be a finite time >= 0"),

@@ -3,11 +3,15 @@
 The run directory has the files of ``plexus train`` (config.json, metrics.jsonl,
 summary.json, the plots), times in simulated seconds, and ``"simulated": true`` in the
 summary with the cluster that was simulated and the real seconds the simulation took.
+The run's health is judged as a real one's (``train/health.py``): worker 0's training
+losses, one per ``--log-every`` steps here (the window counts those), and a final
+accuracy no better than chance; the summary names the state and the hint.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -28,6 +32,8 @@ from plexus.train.evaluation import loss_fn
 from plexus.train.metrics import MetricsLog
 from plexus.train.models import build_model
 from plexus.train.feed import total_steps
+from plexus.train.health import Health
+from plexus.train.summary import judge_health
 
 __all__ = ["simulate", "check", "SIMULATED"]
 
@@ -109,6 +115,21 @@ def simulate(cfg: JobConfig, spec: SimSpec, run_dir: Path | None) -> dict[str, A
     evals: list[dict[str, Any]] = []
     target = cfg.run.target_accuracy
 
+    classes = data.num_classes if data.task == "classification" else None
+    health = Health(total_steps=max(1, steps // cfg.run.log_every), classes=classes)
+    health_at: list[int] = []  # the step of each loss health has seen
+
+    def logged(kind: str, **fields: Any) -> None:
+        """Every event goes to metrics.jsonl; worker 0's training losses also to ``health``."""
+        log.log(kind, **fields)
+        loss = fields.get("loss")
+        if kind == "train" and fields.get("worker") == 0 and loss is not None:
+            health_at.append(fields["step"])
+            if not math.isfinite(loss):
+                health.diverged(len(health_at))
+            else:
+                health.observe(len(health_at), loss)
+
     def evaluate(now: float, step: int, samples: int) -> bool:
         loss, accuracy = replica.evaluate(data.x_test, data.y_test)
         evals.append({"time": now, "step": step, "accuracy": accuracy})
@@ -117,7 +138,7 @@ def simulate(cfg: JobConfig, spec: SimSpec, run_dir: Path | None) -> dict[str, A
         return target is not None and accuracy >= target
 
     kind, cfg = engine_for(cfg)
-    engine = kind(cfg, spec, data, replica, log.log, evaluate if replica is not None else (lambda *a: False))
+    engine = kind(cfg, spec, data, replica, logged, evaluate if replica is not None else (lambda *a: False))
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -129,6 +150,11 @@ def simulate(cfg: JobConfig, spec: SimSpec, run_dir: Path | None) -> dict[str, A
         torch.set_num_threads(torch_threads)
         log.close()
     summary = _summary(cfg, spec, outcome, evals, time.perf_counter() - started)
+    if replica is not None:
+        seen = health.step is not None and 0 < health.step <= len(health_at)
+        record = {"health": health.state, "health_step": health_at[health.step - 1] if seen else None}
+        summary.update(judge_health(cfg, {0: record}, {"chance_accuracy": 1 / classes if classes else None,
+                                                  "final_test_accuracy": summary["final_test_accuracy"]}, summary))
     if run_dir is not None and replica is not None and cfg.run.save_model:
         torch.save(replica.model.state_dict(), run_dir / "model.pt")
     if run_dir is not None:

@@ -29,7 +29,7 @@ from plexus.train.plan import other_roles
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["collect_records", "assemble_summary", "write_summary", "cpu_key", "FIGURES"]
+__all__ = ["collect_records", "assemble_summary", "write_summary", "judge_health", "cpu_key", "FIGURES"]
 
 
 # Entries of collect_records' result that are not the records of a role besides the workers.
@@ -160,7 +160,7 @@ def assemble_summary(cfg: JobConfig, records: dict[str, Any], lost: dict[str, li
         staged, job = _stages(cfg, records)
         summary.update(job)
     summary.update(_figures(cfg, records, summary, sent))
-    summary.update(_health(cfg, workers, ev, summary))
+    summary.update(judge_health(cfg, workers, ev, summary))
     summary.update(staged)
     summary["settings"] = cfg.settings()
     if summary["algorithm"] not in (None, cfg.strategy.algorithm):  # the default's choice (strategies/base.py)
@@ -236,7 +236,8 @@ def _figures(cfg: JobConfig, records: dict[str, Any], summary: dict[str, Any], s
     }
 
 
-def _health(cfg: JobConfig, workers: dict[int, Any], ev: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
+def judge_health(cfg: JobConfig, workers: dict[int, Any], ev: dict[str, Any], summary: dict[str, Any]
+                 ) -> dict[str, Any]:
     """``health`` (ok, stalled, diverging), the step it was detected at, and a hint: the
     worst of the workers' own verdicts (train/health.py), or stalled when the final test
     accuracy is no better than chance."""
