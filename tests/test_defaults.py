@@ -51,6 +51,44 @@ def test_asynchronous_updates_of_several_gradients_scale_adams_rate_by_their_roo
     assert (sgd.optim.lr, sgd.optim.momentum) == (0.2, 0.0)
 
 
+@pytest.mark.parametrize("flat, lr, label", [
+    ({"strategy": "ps", "consistency": "asp", "workers": 16}, 0.003, "default for adam"),  # 16 behind: as before
+    ({"strategy": "ps", "consistency": "asp", "workers": 32}, 0.0015, "default for ps/asp over 32 workers"),
+    ({"strategy": "ps", "consistency": "ssp", "workers": 64}, 0.00075, "default for ps/ssp over 64 workers"),
+    ({"strategy": "tree-ps", "consistency": "asp", "workers": 64}, 0.00075, "default for tree-ps/asp over 64 workers"),
+    # 2 gradients an update: 32 updates behind, sqrt(2) x 0.003 x 16 / 32
+    ({"strategy": "ps", "consistency": "softsync", "softsync": 2, "workers": 64}, 0.0021,
+     "default for ps/softsync over 64 workers"),
+    # every worker's gradient in each update: one update behind, only the sqrt(n) rule
+    ({"strategy": "tree-ps", "variant": "adv-star", "consistency": "bsp", "workers": 64}, 0.024,
+     "default for tree-ps/bsp, 64 gradients per update"),
+])
+def test_adams_asynchronous_rate_falls_with_how_many_updates_behind_a_gradient_lands(flat, lr, label):
+    """A gradient lands about P / n updates after the weights it was taken on; beyond 16,
+    Adam's default rate falls in proportion. The user's rate, and --staleness-lr (which
+    divides the rate by the measured staleness itself), keep theirs."""
+    cfg = build(flat)
+    assert (cfg.optim.optimizer, cfg.optim.lr, cfg.optim.momentum) == ("adam", lr, 0.0)
+    assert cfg.source("lr") == label
+    assert build({**flat, "lr": 0.003, "optimizer": "adam"}).optim.lr == 0.003
+    assert " over " not in build({**flat, "staleness_lr": True}).source("lr")
+
+
+@pytest.mark.slow
+def test_the_asynchronous_default_learns_at_64_simulated_workers(tmp_path):
+    """ps asp over 64 workers (the simulator's real maths, digits, 150 steps): the default,
+    Adam at 0.00075, learns; Adam at 0.003, the rate of 16 workers and fewer, sits at chance
+    and the run says so."""
+    summaries = []
+    for name, extra in (("default", []), ("fixed", ["--optimizer", "adam", "--lr", "0.003"])):
+        assert main(["simulate", "--strategy", "ps", "--consistency", "asp", "--sim-workers", "64", "--steps", "150",
+                     "--out", str(tmp_path / name), *extra]) == 0
+        summaries.append(json.loads((tmp_path / name / "summary.json").read_text()))
+    default, fixed = summaries
+    assert default["final_test_accuracy"] > 0.9 and default["health"] == "ok", default["final_test_accuracy"]
+    assert fixed["final_test_accuracy"] < 0.2 and fixed["health"] == "stalled"
+
+
 @pytest.mark.parametrize("source", ["flag", "file", "spec", "api"])
 def test_a_rate_set_without_an_optimizer_under_asynchrony_keeps_adagrad(source):
     """Rates for the asynchronous default were chosen at Adagrad's scale (0.05), which
