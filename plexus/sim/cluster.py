@@ -191,7 +191,9 @@ def network_of(net) -> Network:
 
 def profile_compute(model, loss_fn, x, y, share: int, repeats: int = 20) -> tuple[float, float]:
     """(overhead, per_sample) seconds of forward and backward of ``model``, measured here
-    at one sample and at ``max(share, 2)`` samples (median of ``repeats`` each)."""
+    at one sample and at ``max(share, 64)`` samples (median of ``repeats`` each): a slope
+    taken over a worker's few samples alone is lost in the timer's noise (it came out 0
+    at 4 samples, and the next run 5 us)."""
     import torch
 
     def timed(n: int) -> float:
@@ -207,7 +209,7 @@ def profile_compute(model, loss_fn, x, y, share: int, repeats: int = 20) -> tupl
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as a worker process runs (--threads 1)
     try:
-        big = max(min(share, len(x)), 2)
+        big = max(min(max(share, 64), len(x)), 2)
         one, many = timed(1), timed(big)
     finally:
         torch.set_num_threads(threads)
