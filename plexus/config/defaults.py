@@ -139,8 +139,8 @@ TABLE: tuple[Rule, ...] = (
          why="Adam's step is about lr per update, and an asynchronous gradient lands about P / n updates after "
              "the weights it was taken on (P workers, n gradients per update): beyond 16 such updates the rate "
              "falls in proportion, as Zhang et al. 2016 divide it by the staleness. On the simulator (real "
-             "maths), ps asp at 64 workers went from chance on digits and 0.92x allreduce on mnist1d at 0.003 "
-             "to 0.97-0.99 and 1.04x at 0.00075, and at 32 workers from 0.84-0.89 and 0.99x to 0.97-0.98 and "
+             "maths), ps asp at 64 workers went from chance on digits and 0.88x allreduce on mnist1d at 0.003 "
+             "to 0.97-0.99 and 1.03x at 0.00075, and at 32 workers from 0.83-0.89 and 0.99x to 0.97-0.98 and "
              "1.06x at 0.0015 (docs/results/defaults-sweep.md); up to 16 workers nothing changes"),
     Rule(label=lambda flat: f"{_label(flat)}, {gradients_per_update(flat)} gradients per update",
          applies=lambda flat: (is_asynchronous(flat) and "lr" not in flat and gradients_per_update(flat) > 1
