@@ -966,8 +966,9 @@ def _run_simulation(cfg, given: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
     """Simulate job ``cfg`` on the cluster of ``given``'s flags into its run directory
     (summary, metrics, report); returns the directory and the summary."""
     from plexus.sim.run import simulate
-    from plexus.train.job import _write_report, prepare_run_dir
+    from plexus.train.job import _write_report, prepare_run_dir, warn_risks
     run_dir = prepare_run_dir(cfg)
+    warn_risks(cfg)  # as plexus train says them: the values set that are risky here
     summary = simulate(cfg, _sim_spec(cfg, given), run_dir)
     _write_report(cfg, run_dir)
     return run_dir, summary

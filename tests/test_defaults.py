@@ -74,17 +74,29 @@ def test_adams_asynchronous_rate_falls_with_how_many_updates_behind_a_gradient_l
     assert " over " not in build({**flat, "staleness_lr": True}).source("lr")
 
 
+def test_adams_rate_set_at_twice_the_many_workers_default_or_more_is_named_as_a_risk():
+    cfg = build({"strategy": "ps", "workers": 64, "optimizer": "adam", "lr": 0.003})
+    (line,) = risks(cfg.to_flat(), cfg.sources)
+    assert "lr 0.003 (flag) for adam under ps/asp over 64 workers" in line and "default here (0.00075)" in line
+    for quiet in ({"strategy": "ps", "workers": 64, "optimizer": "adam", "lr": 0.001},  # under twice the default
+                  {"strategy": "ps", "workers": 16, "optimizer": "adam", "lr": 0.003},  # 16 updates late: fine
+                  {"strategy": "ps", "workers": 64, "optimizer": "adam", "lr": 0.003, "staleness_lr": True}):
+        cfg = build(quiet)
+        assert risks(cfg.to_flat(), cfg.sources) == [], quiet
+
+
 @pytest.mark.slow
-def test_the_asynchronous_default_learns_at_64_simulated_workers(tmp_path):
+def test_the_asynchronous_default_learns_at_64_simulated_workers(tmp_path, caplog):
     """ps asp over 64 workers (the simulator's real maths, digits, 150 steps): the default,
-    Adam at 0.00075, learns; Adam at 0.003, the rate of 16 workers and fewer, sits at chance
-    and the run says so."""
+    Adam at 0.00075, learns; Adam at 0.003, the rate of 16 workers and fewer, is named as a
+    risk before the run, sits at chance and the run says so."""
     summaries = []
     for name, extra in (("default", []), ("fixed", ["--optimizer", "adam", "--lr", "0.003"])):
         assert main(["simulate", "--strategy", "ps", "--consistency", "asp", "--sim-workers", "64", "--steps", "150",
                      "--out", str(tmp_path / name), *extra]) == 0
         summaries.append(json.loads((tmp_path / name / "summary.json").read_text()))
     default, fixed = summaries
+    assert "plexus: warning: lr 0.003 (flag) for adam under ps/asp over 64 workers" in caplog.text
     assert default["final_test_accuracy"] > 0.9 and default["health"] == "ok", default["final_test_accuracy"]
     assert fixed["final_test_accuracy"] < 0.2 and fixed["health"] == "stalled"
 

@@ -219,6 +219,13 @@ def risks(flat: Mapping[str, Any], sources: Mapping[str, str]) -> list[str]:
                      f"{_get(flat, 'schedule')} --no-delay-compensation: stale weights already act as momentum, "
                      f"and above 0.5 the two together left cnn, mlp and deep-mlp at chance on digits; the default "
                      f"here is 0.5")
+    if is_asynchronous(flat) and _get(flat, "optimizer") == "adam" and sources.get("lr") in USER_SOURCES \
+            and not _get(flat, "staleness_lr") and _updates_behind(flat) > _STALE_UPDATES \
+            and _get(flat, "lr") >= 2 * _adam_rate(flat):
+        lines.append(f"lr {_get(flat, 'lr'):g} ({sources['lr']}) for adam under {_label(flat)} over "
+                     f"{_get(flat, 'workers')} workers: a gradient lands about {_updates_behind(flat):g} updates "
+                     f"late, and at twice the default here ({_adam_rate(flat):g}) or more ps asp at 32 and 64 "
+                     f"simulated workers lagged or sat at chance; drop --lr, or pass --staleness-lr")
     if _get(flat, "optimizer") != "sgd" and _get(flat, "momentum") > 0 and sources.get("momentum") in USER_SOURCES:
         lines.append(f"momentum {_get(flat, 'momentum'):g} ({sources['momentum']}) has no effect with optimizer "
                      f"{_get(flat, 'optimizer')} ({sources.get('optimizer', 'default')}): pass --optimizer sgd "
