@@ -78,6 +78,13 @@ def _updates_behind(flat: Mapping[str, Any]) -> float:
     return _get(flat, "workers") / gradients_per_update(flat)
 
 
+def _adam_far_behind(flat: Mapping[str, Any]) -> bool:
+    """Adam (chosen, or the asynchronous default) under asynchrony without --staleness-lr,
+    its gradients landing more than 16 updates late: where its default rate falls."""
+    return (is_asynchronous(flat) and flat.get("optimizer", "adam") == "adam" and not _get(flat, "staleness_lr")
+            and _updates_behind(flat) > _STALE_UPDATES)
+
+
 def _adam_rate(flat: Mapping[str, Any]) -> float:
     """Adam's asynchronous default: 0.003 sqrt(n), times 16 / (P / n) where a gradient is
     more than 16 updates old."""
@@ -133,8 +140,7 @@ TABLE: tuple[Rule, ...] = (
          why="ssp with bound 0 is bsp; a bound of 2 clocks lets a straggler fall behind a little "
              "(Ho et al. 2013) without stalling the others"),
     Rule(label=lambda flat: f"{_label(flat)} over {_get(flat, 'workers')} workers",
-         applies=lambda flat: (is_asynchronous(flat) and "lr" not in flat and flat.get("optimizer", "adam") == "adam"
-                               and not _get(flat, "staleness_lr") and _updates_behind(flat) > _STALE_UPDATES),
+         applies=lambda flat: "lr" not in flat and _adam_far_behind(flat),
          values={"optimizer": "adam", "momentum": 0.0, "lr": _adam_rate},
          why="Adam's step is about lr per update, and an asynchronous gradient lands about P / n updates after "
              "the weights it was taken on (P workers, n gradients per update): beyond 16 such updates the rate "
@@ -219,9 +225,7 @@ def risks(flat: Mapping[str, Any], sources: Mapping[str, str]) -> list[str]:
                      f"{_get(flat, 'schedule')} --no-delay-compensation: stale weights already act as momentum, "
                      f"and above 0.5 the two together left cnn, mlp and deep-mlp at chance on digits; the default "
                      f"here is 0.5")
-    if is_asynchronous(flat) and _get(flat, "optimizer") == "adam" and sources.get("lr") in USER_SOURCES \
-            and not _get(flat, "staleness_lr") and _updates_behind(flat) > _STALE_UPDATES \
-            and _get(flat, "lr") >= 2 * _adam_rate(flat):
+    if sources.get("lr") in USER_SOURCES and _adam_far_behind(flat) and _get(flat, "lr") >= 2 * _adam_rate(flat):
         lines.append(f"lr {_get(flat, 'lr'):g} ({sources['lr']}) for adam under {_label(flat)} over "
                      f"{_get(flat, 'workers')} workers: a gradient lands about {_updates_behind(flat):g} updates "
                      f"late, and at twice the default here ({_adam_rate(flat):g}) or more ps asp at 32 and 64 "
