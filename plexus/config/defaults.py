@@ -30,10 +30,21 @@ __all__ = ["Rule", "TABLE", "USER_SOURCES", "gradients_per_update", "is_asynchro
 
 # Adam's rate for one worker gradient per update (the sweep's best; scaled by sqrt(n) for n).
 _ADAM_LR = 0.003
-# Under asynchrony a gradient is applied about P / n updates after the weights it was taken
-# on (P workers, n gradients per update); beyond this many, Adam's default rate falls in
-# proportion (the rule's "over P workers").
-_STALE_UPDATES = 16
+# Each optimizer's asynchronous rate (Adam's for one gradient per update), and how many
+# updates late a gradient may land before that rate falls in proportion (the rules "over P
+# workers"): under asynchrony a gradient is applied about P / n updates after the weights it
+# was taken on (P workers, n gradients per update). Adam's step is bounded by its rate, and
+# it bears 16 (simulated ps asp); SGD's grows with the gradient and bears 4, Adagrad's 8 (real
+# ps asp at 8, 16 and 32 workers; docs/results/defaults-sweep.md).
+_ASYNC_LR = {"adam": _ADAM_LR, "sgd": 0.2, "adagrad": 0.05}
+_STALE_UPDATES = {"adam": 16, "sgd": 4, "adagrad": 8}
+# What each optimizer did at twice its rate over many workers or more (the risk line).
+_TOO_FAST = {
+    "adam": "ps asp at 32 and 64 simulated workers lagged or sat at chance",
+    "sgd": "ps asp over 16 real workers ended at 10-35 % on digits, and over 32 at chance",
+    "adagrad": "ps asp over 16 and 32 real workers diverged or lagged on digits (86-96 %, against 97-99 % at "
+               "the default)",
+}
 
 # Sources that mean the user chose the value.
 USER_SOURCES = ("flag", "file", "spec", "api")
@@ -78,18 +89,36 @@ def _updates_behind(flat: Mapping[str, Any]) -> float:
     return _get(flat, "workers") / gradients_per_update(flat)
 
 
-def _adam_far_behind(flat: Mapping[str, Any]) -> bool:
-    """Adam (chosen, or the asynchronous default) under asynchrony without --staleness-lr,
-    its gradients landing more than 16 updates late: where its default rate falls."""
-    return (is_asynchronous(flat) and flat.get("optimizer", "adam") == "adam" and not _get(flat, "staleness_lr")
-            and _updates_behind(flat) > _STALE_UPDATES)
+def _async_optimizer(flat: Mapping[str, Any]) -> str:
+    """The optimizer of an asynchronous configuration: the one set, else Adam (the table's
+    default there where no rate is set)."""
+    return flat.get("optimizer", "adam")
 
 
-def _adam_rate(flat: Mapping[str, Any]) -> float:
-    """Adam's asynchronous default: 0.003 sqrt(n), times 16 / (P / n) where a gradient is
-    more than 16 updates old."""
-    rate = _ADAM_LR * math.sqrt(gradients_per_update(flat)) * min(1.0, _STALE_UPDATES / _updates_behind(flat))
+def _far_behind(flat: Mapping[str, Any]) -> bool:
+    """An asynchronous configuration without --staleness-lr whose gradients land more
+    updates late than its optimizer bears (16 for Adam, 4 for SGD, 8 for Adagrad): where
+    that optimizer's default rate falls."""
+    return (is_asynchronous(flat) and not _get(flat, "staleness_lr")
+            and _updates_behind(flat) > _STALE_UPDATES.get(_async_optimizer(flat), math.inf))
+
+
+def _async_rate(flat: Mapping[str, Any]) -> float:
+    """The optimizer's asynchronous default: 0.003 sqrt(n) for Adam, 0.2 for SGD, 0.05 for
+    Adagrad, times its bearable lateness over P / n where a gradient lands later than that."""
+    name = _async_optimizer(flat)
+    rate = _ASYNC_LR[name] * (math.sqrt(gradients_per_update(flat)) if name == "adam" else 1.0)
+    rate *= min(1.0, _STALE_UPDATES[name] / _updates_behind(flat))
     return round(rate, max(4, 1 - math.floor(math.log10(rate))))  # four decimals, or two significant digits
+
+
+_SGD_FAR_BEHIND = (
+    "SGD's and Adagrad's steps grow with the gradient, and an asynchronous gradient lands about P / n updates "
+    "after the weights it was taken on: beyond 4 such updates for SGD, 8 for Adagrad, the rate falls in "
+    "proportion. Real ps asp, digits at 300 steps: SGD at 0.2 sat at chance over 16 and 32 workers and reached "
+    "97-99 % at 0.05 and 0.025; on mnist1d at 800 steps over 16 workers 0.42x allreduce at 0.2 against 1.02x at "
+    "0.05. Adagrad at 0.05 reached 86-96 % over 16 and 32 workers, 97-99 % at 0.025 and 0.0125 "
+    "(docs/results/defaults-sweep.md); up to 4 workers nothing changes")
 
 
 def _is_stale_pipeline(flat: Mapping[str, Any]) -> bool:
@@ -140,19 +169,23 @@ TABLE: tuple[Rule, ...] = (
          why="ssp with bound 0 is bsp; a bound of 2 clocks lets a straggler fall behind a little "
              "(Ho et al. 2013) without stalling the others"),
     Rule(label=lambda flat: f"{_label(flat)} over {_get(flat, 'workers')} workers",
-         applies=lambda flat: "lr" not in flat and _adam_far_behind(flat),
-         values={"optimizer": "adam", "momentum": 0.0, "lr": _adam_rate},
+         applies=lambda flat: "lr" not in flat and _far_behind(flat) and _async_optimizer(flat) == "adam",
+         values={"optimizer": "adam", "momentum": 0.0, "lr": _async_rate},
          why="Adam's step is about lr per update, and an asynchronous gradient lands about P / n updates after "
              "the weights it was taken on (P workers, n gradients per update): beyond 16 such updates the rate "
              "falls in proportion, as Zhang et al. 2016 divide it by the staleness. On the simulator (real "
              "maths), ps asp at 64 workers went from chance on digits and 0.88x allreduce on mnist1d at 0.003 "
              "to 0.97-0.99 and 1.03x at 0.00075, and at 32 workers from 0.83-0.89 and 0.99x to 0.97-0.98 and "
              "1.06x at 0.0015 (docs/results/defaults-sweep.md); up to 16 workers nothing changes"),
+    Rule(label=lambda flat: f"{_label(flat)} over {_get(flat, 'workers')} workers",
+         applies=lambda flat: "lr" not in flat and _far_behind(flat) and _async_optimizer(flat) in ("sgd", "adagrad"),
+         values={"lr": _async_rate},
+         why=_SGD_FAR_BEHIND),
     Rule(label=lambda flat: f"{_label(flat)}, {gradients_per_update(flat)} gradients per update",
          applies=lambda flat: (is_asynchronous(flat) and "lr" not in flat and gradients_per_update(flat) > 1
                                and flat.get("optimizer", "adam") == "adam"),
          values={"optimizer": "adam", "momentum": 0.0,
-                 "lr": _adam_rate},
+                 "lr": _async_rate},
          why="Adam's step is about lr per update whatever the batch, and an update that averages n gradients "
              "takes a batch n times larger in n times fewer updates: the square-root rule for adaptive methods "
              "(Malladi et al. 2022) gives 0.003 sqrt(n). tree-ps adv-star under softsync over 4 workers (800 "
@@ -172,7 +205,7 @@ TABLE: tuple[Rule, ...] = (
              "per coordinate overshoots"),
     Rule(label=_label,
          applies=lambda flat: is_asynchronous(flat) and _get(flat, "optimizer") == "sgd",
-         values={"momentum": 0.0, "lr": 0.2},
+         values={"momentum": 0.0, "lr": _ASYNC_LR["sgd"]},
          why="asynchrony acts as momentum (Mitliagkas et al. 2016): server momentum 0.9 on top of it left "
              "ps asp at chance (10 %) in the sweep; without momentum, twice the synchronous rate"),
     Rule(label=lambda flat: f"{_get(flat, 'schedule')} --no-delay-compensation",
@@ -189,7 +222,7 @@ TABLE: tuple[Rule, ...] = (
          why="eight layers deep, momentum SGD at 0.1 diverged on digits at seed 1 (hidden 128) and seed 0 "
              "(hidden 1024) and reached 0.72-0.94 in a 1f1b pipeline over 3 stages; 0.05 learned every "
              "configuration of the sweep, pipedream and 2bw included (docs/results/deep-mlp-lr.md)"),
-    Rule(label=lambda flat: "adagrad", applies=_optimizer_is("adagrad"), values={"lr": 0.05},
+    Rule(label=lambda flat: "adagrad", applies=_optimizer_is("adagrad"), values={"lr": _ASYNC_LR["adagrad"]},
          why="Adagrad's step is lr over the root of the summed squared gradients: 0.1 overshot in the sweep"),
     Rule(label=lambda flat: "adam", applies=_optimizer_is("adam"), values={"lr": _ADAM_LR},
          why="Adam's step is about lr per coordinate: 0.1 overshoots; 0.003 was best in the sweep"),
@@ -225,11 +258,12 @@ def risks(flat: Mapping[str, Any], sources: Mapping[str, str]) -> list[str]:
                      f"{_get(flat, 'schedule')} --no-delay-compensation: stale weights already act as momentum, "
                      f"and above 0.5 the two together left cnn, mlp and deep-mlp at chance on digits; the default "
                      f"here is 0.5")
-    if sources.get("lr") in USER_SOURCES and _adam_far_behind(flat) and _get(flat, "lr") >= 2 * _adam_rate(flat):
-        lines.append(f"lr {_get(flat, 'lr'):g} ({sources['lr']}) for adam under {_label(flat)} over "
+    if sources.get("lr") in USER_SOURCES and _far_behind(flat) and _get(flat, "lr") >= 2 * _async_rate(flat):
+        name = _async_optimizer(flat)
+        lines.append(f"lr {_get(flat, 'lr'):g} ({sources['lr']}) for {name} under {_label(flat)} over "
                      f"{_get(flat, 'workers')} workers: a gradient lands about {_updates_behind(flat):g} updates "
-                     f"late, and at twice the default here ({_adam_rate(flat):g}) or more ps asp at 32 and 64 "
-                     f"simulated workers lagged or sat at chance; drop --lr, or pass --staleness-lr")
+                     f"late, and at twice the default here ({_async_rate(flat):g}) or more, {_TOO_FAST[name]}; "
+                     f"drop --lr, or pass --staleness-lr")
     if _get(flat, "optimizer") != "sgd" and _get(flat, "momentum") > 0 and sources.get("momentum") in USER_SOURCES:
         lines.append(f"momentum {_get(flat, 'momentum'):g} ({sources['momentum']}) has no effect with optimizer "
                      f"{_get(flat, 'optimizer')} ({sources.get('optimizer', 'default')}): pass --optimizer sgd "
