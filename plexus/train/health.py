@@ -7,7 +7,11 @@ sat at ln 10, chance on ten classes, for all of its 300 steps without one warnin
 likely cause from the effective configuration and the flag to change.
 
 Rules (pure; the runner feeds them, tests drive them directly):
-- diverging: a training loss above ``DIVERGED`` times the first one;
+- diverging: a training loss above ``DIVERGED`` times the first one at ``SPIKE + 1``
+  observed steps in a row: a spike of one or two steps that the loss leaves at once is not
+  divergence (Adagrad's first steps at 0.05 under asp over 8 workers threw a worker's loss
+  from 2.3 to 25-42 at its second step, back to 3-5 at its third, and the run ended at
+  94-97 %);
 - stalled: once ``fraction`` of the run has passed (and at least ``2 * window`` steps),
   the mean loss of the last ``window`` steps is no better than at the start (above
   ``1 - min_gain`` times the mean of the first ``window`` losses), or no better than
@@ -33,8 +37,10 @@ __all__ = ["Health", "HealthState", "DIVERGED", "CHANCE_MARGIN", "hint", "worst"
 
 HealthState = Literal["ok", "stalled", "diverging"]
 
-# A training loss this many times its first value means the run is diverging.
+# A training loss this many times its first value means the run is diverging...
 DIVERGED = 10.0
+# ...unless it lasts no more than this many observed steps in a row.
+SPIKE = 2
 # A final test accuracy below chance plus this is no better than chance.
 CHANCE_MARGIN = 0.05
 _ORDER = {"ok": 0, "stalled": 1, "diverging": 2}
@@ -56,6 +62,7 @@ class Health:
         self._first: list[float] = []
         self._recent: deque[float] = deque(maxlen=self.window)
         self._below = 0  # judged steps in a row at which the loss has been no better than its bars
+        self._above = 0  # observed steps in a row with the loss above DIVERGED times the first
 
     @property
     def chance_loss(self) -> float | None:
@@ -67,7 +74,8 @@ class Health:
         self._recent.append(loss)
         if self.state == "diverging":
             return None
-        if loss > DIVERGED * max(self._first[0], 0.1):
+        self._above = self._above + 1 if loss > DIVERGED * max(self._first[0], 0.1) else 0
+        if self._above > SPIKE:
             return self._become("diverging", step)
         if step >= max(self.fraction * self.total_steps, 2 * self.window):
             recent = sum(self._recent) / len(self._recent)

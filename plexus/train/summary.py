@@ -148,7 +148,7 @@ def assemble_summary(cfg: JobConfig, records: dict[str, Any], lost: dict[str, li
         "lost_workers": sorted((lost or {}).get("worker", [])),
         "evaluations": ev.get("evaluations", 0),
         "snapshots_skipped": ev.get("skipped", 0),
-        # Workers whose training loss rose to 10x its first value (runner.py warns as it happens).
+        # Workers whose training loss stayed above 10x its first value (health.py; runner.py warns as it happens).
         "diverging_workers": sorted(r for r, w in workers.items() if w.get("diverging")),
         "emulated_sleep_seconds": [workers[r]["slept"] if r in workers else None
                                    for r in range(cfg.cluster.workers)],
