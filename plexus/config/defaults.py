@@ -116,9 +116,9 @@ _SGD_FAR_BEHIND = (
     "SGD's and Adagrad's steps grow with the gradient, and an asynchronous gradient lands about P / n updates "
     "after the weights it was taken on: beyond 4 such updates for SGD, 8 for Adagrad, the rate falls in "
     "proportion. Real ps asp, digits at 300 steps: SGD at 0.2 sat at chance over 16 and 32 workers (tree-ps asp "
-    "over 8) and reached 97-99 % at 0.05 and 0.025; on mnist1d at 800 steps over 16 workers 0.42x allreduce at 0.2 against 1.02x at "
-    "0.05. Adagrad at 0.05 reached 86-96 % over 16 and 32 workers, 97-99 % at 0.025 and 0.0125 "
-    "(docs/results/defaults-sweep.md); up to 4 workers nothing changes")
+    "over 8) and reached 97-99 % at 0.05 and 0.025; on mnist1d at 800 steps over 16 workers 0.42x allreduce at "
+    "0.2 against 1.02x at 0.05. Adagrad at 0.05 reached 86-96 % over 16 and 32 workers, 97-99 % at 0.025 and "
+    "0.0125 (docs/results/defaults-sweep.md); up to 4 workers nothing changes")
 
 
 def _is_stale_pipeline(flat: Mapping[str, Any]) -> bool:
