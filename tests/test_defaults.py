@@ -87,6 +87,8 @@ def test_sgds_and_adagrads_asynchronous_rates_fall_beyond_4_and_8_updates_behind
     assert (cfg.optim.optimizer, cfg.optim.lr, cfg.optim.momentum) == (optimizer, lr, 0.0)
     far = workers > {"sgd": 4, "adagrad": 8}[optimizer]
     assert (cfg.source("lr") == f"default for ps/asp over {workers} workers") == far, cfg.source("lr")
+    # The user set no rate: no value says "with lr set" (a later rule sees the rate this one decided).
+    assert "with lr set" not in cfg.source("momentum"), cfg.source("momentum")
     assert build({**flat, "lr": 0.2}).optim.lr == 0.2
     assert build({**flat, "staleness_lr": True}).optim.lr == {"sgd": 0.2, "adagrad": 0.05}[optimizer]
 

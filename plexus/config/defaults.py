@@ -179,7 +179,7 @@ TABLE: tuple[Rule, ...] = (
              "1.06x at 0.0015 (docs/results/defaults-sweep.md); up to 16 workers nothing changes"),
     Rule(label=lambda flat: f"{_label(flat)} over {_get(flat, 'workers')} workers",
          applies=lambda flat: "lr" not in flat and _far_behind(flat) and _async_optimizer(flat) in ("sgd", "adagrad"),
-         values={"lr": _async_rate},
+         values={"momentum": 0.0, "lr": _async_rate},
          why=_SGD_FAR_BEHIND),
     Rule(label=lambda flat: f"{_label(flat)}, {gradients_per_update(flat)} gradients per update",
          applies=lambda flat: (is_asynchronous(flat) and "lr" not in flat and gradients_per_update(flat) > 1
