@@ -78,13 +78,27 @@ def test_hints_name_the_cause_from_the_effective_configuration():
     text = hint("stalled", cfg.settings(), True, staleness_mean=3.2)
     assert "learning rate 3 (flag)" in text and "mean 3.2" in text and "--staleness-lr" in text
     assert "--optimizer" not in text  # the user chose sgd
+    assert "lower --lr (the default here is 0.2)" in text
     # The default Adam: a rate set alone would select Adagrad, so the hint names both flags.
     cfg = JobConfig.from_flat({"strategy": "ps", "workers": 4})
     assert "lower --lr with --optimizer adam or" in hint("stalled", cfg.settings(), True)
     cfg = JobConfig.from_flat({"strategy": "ps", "workers": 4, "lr": 0.5}, {"lr": "flag"})
-    assert "lower --lr or" in hint("stalled", cfg.settings(), True)  # Adagrad: a rate alone keeps it
+    assert "lower --lr (the default here is 0.05) or" in hint("stalled", cfg.settings(), True)  # Adagrad kept
     cfg = JobConfig.from_flat({"strategy": "allreduce", "lr": 20.0})
     assert "lower --lr" in hint("diverging", cfg.settings(), False)
+
+
+@pytest.mark.parametrize("flat, said", [
+    ({"optimizer": "sgd", "lr": 0.2, "workers": 16}, "lower --lr (the default here is 0.05)"),
+    ({"lr": 0.05, "workers": 32}, "lower --lr (the default here is 0.0125)"),  # Adagrad's, which a rate keeps
+])
+def test_a_stalled_asynchronous_run_at_the_users_rate_is_told_the_default_rate(flat, said):
+    """Over many workers the default rate falls with the workers (config/defaults.py); the
+    hint names it, for the optimizer the run used."""
+    cfg = JobConfig.from_flat({"strategy": "ps", **flat}, {key: "flag" for key in flat})
+    assert said in hint("stalled", cfg.settings(), True, staleness_mean=14.0)
+    default = JobConfig.from_flat({"strategy": "ps", "workers": 16}, {"workers": "flag"})
+    assert "the default here" not in hint("stalled", default.settings(), True)  # at the default already
 
 
 @pytest.mark.slow

@@ -119,6 +119,14 @@ def _optimizer_with_rate(settings: Mapping[str, Any]) -> str:
     return {**decided, **given}.get("optimizer", field_default("optimizer"))
 
 
+def _default_rate(settings: Mapping[str, Any]) -> float:
+    """The rate the defaults table gives the same run with its optimizer and no ``--lr``."""
+    from plexus.config import field_default
+    given = {key: s["value"] for key, s in settings.items() if s["source"] in USER_SOURCES and key != "lr"}
+    decided, _ = resolve({**given, "optimizer": settings["optimizer"]["value"]})
+    return decided.get("lr", field_default("lr"))
+
+
 def hint(state: HealthState, settings: Mapping[str, Any], asynchronous: bool, staleness_mean: float | None = None
          ) -> str:
     """The likely cause of ``state`` under the effective configuration, and the flag to change."""
@@ -134,8 +142,10 @@ def hint(state: HealthState, settings: Mapping[str, Any], asynchronous: bool, st
         # of the default Adam: config/defaults.py), lowering this one's rate takes both flags.
         moves = _optimizer_with_rate(settings) != value("optimizer")
         keep = f" with --optimizer {value('optimizer')}" if moves else ""
-        return (f"the learning rate {lr:g} ({source('lr')}) may be too large{stale}; lower --lr{keep} or pass "
-                f"--staleness-lr (Zhang et al. 2016)")
+        default = _default_rate(settings)
+        lower = f" (the default here is {default:g})" if source("lr") in USER_SOURCES and default < lr else ""
+        return (f"the learning rate {lr:g} ({source('lr')}) may be too large{stale}; lower --lr{keep}{lower} or "
+                f"pass --staleness-lr (Zhang et al. 2016)")
     if state == "diverging":
         return f"the learning rate {lr:g} ({source('lr')}) is probably too large; lower --lr"
     return (f"the loss did not fall below its start or chance: check the data and model, or change --lr "
