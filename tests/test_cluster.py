@@ -54,6 +54,23 @@ def test_launcher_returns_first_failure_and_stops_the_rest(capsys):
     assert processes_of(os.getpid()) == []
 
 
+def test_launcher_hears_the_exits_just_after_the_first_failure(tmp_path):
+    """A process's peers exit on losing it, and the fork server may report a peer's exit
+    before the lost process's own: the launcher keeps hearing exits for a moment after the
+    first failure, so that the job can name the first to die. Rank 0 fails; rank 1 dies by
+    a signal 0.1 s after it sees that; rank 2 would sleep on and is stopped."""
+    gone = str(tmp_path / "gone")
+    code = (f"import os, signal, sys, time\nr = int(os.environ['PLEXUS_ROLE_RANK'])\n"
+            f"if r == 0:\n    open({gone!r}, 'w').close()\n    sys.exit(1)\nif r == 2:\n    time.sleep(60)\n"
+            f"while not os.path.exists({gone!r}):\n    time.sleep(0.005)\n"
+            f"time.sleep(0.1)\nos.kill(os.getpid(), signal.SIGKILL)\n")  # after the launcher's next poll
+    heard = []
+    status = launch([PY, "-c", code], [RoleSpec("worker", r) for r in range(3)], sink=open(os.devnull, "w"),
+                    on_exit=lambda spec, code: heard.append((spec.rank, code)))
+    assert status == 1 and heard == [(0, 1), (1, 137)], heard
+    assert processes_of(os.getpid()) == []
+
+
 def test_launcher_kills_a_child_that_ignores_sigterm(tmp_path):
     # Rank 1 says it ignores SIGTERM by creating `ready`; rank 0 fails only then (status 4
     # if it never does), so the launcher's SIGTERM is the one rank 1 ignores.

@@ -27,6 +27,10 @@ __all__ = ["RoleSpec", "launch", "exit_status"]
 
 logger = logging.getLogger(__name__)
 
+# Seconds the launcher keeps hearing exits after the first failure, before it stops the job
+# (the fork server reports exits every 20 ms, the loop polls every 50 ms).
+_SETTLE = 0.25
+
 
 @dataclass(frozen=True)
 class RoleSpec:
@@ -99,7 +103,9 @@ def launch(argv: Sequence[str], roles: Sequence[RoleSpec], *, env: dict[str, str
     Each child gets ``env`` plus its role's ``env`` plus ``PLEXUS_ROLE``,
     ``PLEXUS_ROLE_RANK`` and ``PLEXUS_PARENT_PID``. A child whose failure ``may_fail``
     accepts (a worker killed on purpose in a fault-tolerant job, say) does not stop the
-    others. ``on_exit(spec, status)`` hears of every child that ends. ``poll`` is called about twenty times a second (progress display).
+    others. ``on_exit(spec, status)`` hears of every child that ends on its own, also in
+    the ``_SETTLE`` seconds after the first failure, before the rest are stopped. ``poll``
+    is called about twenty times a second (progress display).
     ``time_limit`` seconds after start every child is stopped and 124 returned.
 
     Returns 0 when every child succeeded, else the first failure's exit status
@@ -144,6 +150,7 @@ def launch(argv: Sequence[str], roles: Sequence[RoleSpec], *, env: dict[str, str
             pump.start()
             pumps.append(pump)
         pending = {proc.pid for _, proc in children.procs}
+        settle_until = 0.0
         while pending:
             if received:
                 logger.info("launcher: received signal %d, stopping %d processes", received[0], len(pending))
@@ -162,12 +169,18 @@ def launch(argv: Sequence[str], roles: Sequence[RoleSpec], *, env: dict[str, str
                     code = exit_status(proc.returncode)
                     if on_exit is not None:
                         on_exit(spec, code)
-                    if code != 0 and not (may_fail and may_fail(spec, code)):
+                    if code != 0 and not (may_fail and may_fail(spec, code)) and not status:
                         with lock:
                             sink.write(f"plexus: {spec.name} exited with status {code}; stopping the job\n")
                         status = code
             if status:
-                break
+                # Peers exit on losing a process, and the fork server reports exits in its
+                # own order: the first failure seen need not be the first to happen. Hear
+                # the exits of the next moment too before stopping, so that on_exit's
+                # caller can order them (by the times a --kill records, say).
+                settle_until = settle_until or time.monotonic() + _SETTLE
+                if time.monotonic() >= settle_until:
+                    break
             if poll is not None:
                 poll()
             time.sleep(0.05 if pending else 0)
