@@ -19,11 +19,11 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence, TextIO
+from typing import Any, Callable, Sequence, TextIO
 
 from plexus.cluster.forkserver import ForkServer, can_fork
 
-__all__ = ["RoleSpec", "launch", "exit_status"]
+__all__ = ["RoleSpec", "launch", "exit_status", "first_failure"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +48,13 @@ class RoleSpec:
 def exit_status(returncode: int) -> int:
     """A shell-style status: a child killed by signal N reports 128 + N."""
     return 128 - returncode if returncode < 0 else returncode
+
+
+def first_failure(failed: Sequence[tuple[Any, int]]) -> tuple[Any, int]:
+    """The likeliest cause among failures heard together, as (who, status): the first
+    killed by a signal (status above 128: the OOM killer, a crash, a kill), since peers
+    exit with a status of their own on losing a process; else the first heard."""
+    return next((f for f in failed if f[1] > 128), failed[0])
 
 
 def _pump(stream, prefix: str, sink: TextIO, lock: threading.Lock, muted: threading.Event) -> None:
@@ -108,9 +115,10 @@ def launch(argv: Sequence[str], roles: Sequence[RoleSpec], *, env: dict[str, str
     is called about twenty times a second (progress display).
     ``time_limit`` seconds after start every child is stopped and 124 returned.
 
-    Returns 0 when every child succeeded, else the first failure's exit status
-    (128 + signal for the launcher's own SIGINT/SIGTERM, which it also appends to
-    ``signals``, so a caller can tell an interrupted job from a failed one). After such a
+    Returns 0 when every child succeeded, else the status of the failure it names
+    (``first_failure`` of those heard within ``_SETTLE`` seconds of the first), or 128 +
+    signal for the launcher's own SIGINT/SIGTERM, which it also appends to ``signals``, so
+    a caller can tell an interrupted job from a failed one. After such a
     signal the children's output is dropped unless logging is at INFO (``--debug``): what
     they say while being stopped (a peer's link closed) is noise to a user who pressed
     Ctrl-C.
@@ -150,6 +158,7 @@ def launch(argv: Sequence[str], roles: Sequence[RoleSpec], *, env: dict[str, str
             pump.start()
             pumps.append(pump)
         pending = {proc.pid for _, proc in children.procs}
+        failed: list[tuple[RoleSpec, int]] = []
         settle_until = 0.0
         while pending:
             if received:
@@ -169,11 +178,9 @@ def launch(argv: Sequence[str], roles: Sequence[RoleSpec], *, env: dict[str, str
                     code = exit_status(proc.returncode)
                     if on_exit is not None:
                         on_exit(spec, code)
-                    if code != 0 and not (may_fail and may_fail(spec, code)) and not status:
-                        with lock:
-                            sink.write(f"plexus: {spec.name} exited with status {code}; stopping the job\n")
-                        status = code
-            if status:
+                    if code != 0 and not (may_fail and may_fail(spec, code)):
+                        failed.append((spec, code))
+            if failed:
                 # Peers exit on losing a process, and the fork server reports exits in its
                 # own order: the first failure seen need not be the first to happen. Hear
                 # the exits of the next moment too before stopping, so that on_exit's
@@ -184,6 +191,11 @@ def launch(argv: Sequence[str], roles: Sequence[RoleSpec], *, env: dict[str, str
             if poll is not None:
                 poll()
             time.sleep(0.05 if pending else 0)
+        if failed:
+            spec, code = first_failure(failed)
+            with lock:
+                sink.write(f"plexus: {spec.name} exited with status {code}; stopping the job\n")
+            status = status or code
     finally:
         children.stop(grace)
         for pump in pumps:

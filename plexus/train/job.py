@@ -214,9 +214,12 @@ def run_local(cfg: JobConfig, poll: Callable[[Path, StartupProbe], None] | None 
     if status != 0:
         what = f"status {status}"
         if failures:
-            # The first to die, by the times in the store: a peer that failed on losing it
-            # may be seen exiting first (a planned kill records its own time of death).
-            first, status = min(failures, key=lambda f: exit_time(_job_store(store, token), f[0]))
+            # The first to die: one killed by a signal before one that exited on losing a
+            # peer (launcher.first_failure), then by the times in the store: a peer that
+            # failed on losing it may be seen exiting first (a planned kill records its own
+            # time of death).
+            job_store = _job_store(store, token)
+            first, status = min(failures, key=lambda f: (f[1] <= 128, exit_time(job_store, f[0])))
             what = f"{first} exited with status {status}"
         failed = JobFailed(f"the job failed ({what}); see the messages above", exit_code=status)
     elif len(lost.get("worker", [])) == cfg.cluster.workers:
