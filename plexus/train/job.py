@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from plexus.cluster.launcher import RoleSpec, launch
+from plexus.cluster.launcher import RoleSpec, first_failure, launch
 from plexus.cluster.liveness import Pulse, exit_time, exited_key, explain_loss
 from plexus.cluster.rendezvous import (ProcessInfo, connect_store, first_line, gloo_interface_towards,
                                        host_store, job_namespace, new_token, store_set_json, wait_keys)
@@ -214,12 +214,11 @@ def run_local(cfg: JobConfig, poll: Callable[[Path, StartupProbe], None] | None 
     if status != 0:
         what = f"status {status}"
         if failures:
-            # The first to die: one killed by a signal before one that exited on losing a
-            # peer (launcher.first_failure), then by the times in the store: a peer that
-            # failed on losing it may be seen exiting first (a planned kill records its own
-            # time of death).
+            # The first to die, by the times in the store (a planned kill records its own
+            # time of death; a peer that failed on losing it may be seen exiting first),
+            # and one killed by a signal before one that exited on its own.
             job_store = _job_store(store, token)
-            first, status = min(failures, key=lambda f: (f[1] <= 128, exit_time(job_store, f[0])))
+            first, status = first_failure(sorted(failures, key=lambda f: exit_time(job_store, f[0])))
             what = f"{first} exited with status {status}"
         failed = JobFailed(f"the job failed ({what}); see the messages above", exit_code=status)
     elif len(lost.get("worker", [])) == cfg.cluster.workers:
