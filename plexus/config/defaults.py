@@ -183,7 +183,7 @@ TABLE: tuple[Rule, ...] = (
          why=_SGD_FAR_BEHIND),
     Rule(label=lambda flat: f"{_label(flat)}, {gradients_per_update(flat)} gradients per update",
          applies=lambda flat: (is_asynchronous(flat) and "lr" not in flat and gradients_per_update(flat) > 1
-                               and flat.get("optimizer", "adam") == "adam"),
+                               and _async_optimizer(flat) == "adam"),
          values={"optimizer": "adam", "momentum": 0.0,
                  "lr": _async_rate},
          why="Adam's step is about lr per update whatever the batch, and an update that averages n gradients "

@@ -111,10 +111,15 @@ def worst(states: list[tuple[HealthState, int | None]]) -> tuple[HealthState, in
     return state, min(steps) if steps else None
 
 
+def _given(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """The values the user set, by key."""
+    return {key: s["value"] for key, s in settings.items() if s["source"] in USER_SOURCES}
+
+
 def _optimizer_with_rate(settings: Mapping[str, Any]) -> str:
     """The optimizer the same run gets when the user adds ``--lr`` to what they set."""
     from plexus.config import field_default
-    given = {key: s["value"] for key, s in settings.items() if s["source"] in USER_SOURCES}
+    given = _given(settings)
     decided, _ = resolve({**given, "lr": settings["lr"]["value"]})
     return {**decided, **given}.get("optimizer", field_default("optimizer"))
 
@@ -122,7 +127,7 @@ def _optimizer_with_rate(settings: Mapping[str, Any]) -> str:
 def _default_rate(settings: Mapping[str, Any]) -> float:
     """The rate the defaults table gives the same run with its optimizer and no ``--lr``."""
     from plexus.config import field_default
-    given = {key: s["value"] for key, s in settings.items() if s["source"] in USER_SOURCES and key != "lr"}
+    given = {key: value for key, value in _given(settings).items() if key != "lr"}
     decided, _ = resolve({**given, "optimizer": settings["optimizer"]["value"]})
     return decided.get("lr", field_default("lr"))
 
