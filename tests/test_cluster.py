@@ -59,16 +59,20 @@ def test_launcher_hears_the_exits_just_after_the_first_failure(tmp_path):
     """A process's peers exit on losing it, and the fork server may report a peer's exit
     before the lost process's own: the launcher keeps hearing exits for a moment after the
     first failure, so that the job can name the first to die. Rank 0 fails; rank 1 dies by
-    a signal 0.1 s after it sees that, as a process the OOM killer took would while its
-    peers exit on losing it; rank 2 would sleep on and is stopped."""
-    gone = str(tmp_path / "gone")
+    a signal once the launcher has heard that (as a process the OOM killer took would,
+    while its peers exit on losing it); rank 2 would sleep on and is stopped."""
+    heard_path = tmp_path / "heard"
     code = (f"import os, signal, sys, time\nr = int(os.environ['PLEXUS_ROLE_RANK'])\n"
-            f"if r == 0:\n    open({gone!r}, 'w').close()\n    sys.exit(1)\nif r == 2:\n    time.sleep(60)\n"
-            f"while not os.path.exists({gone!r}):\n    time.sleep(0.005)\n"
-            f"time.sleep(0.1)\nos.kill(os.getpid(), signal.SIGKILL)\n")  # after the launcher's next poll
+            f"if r == 0:\n    sys.exit(1)\nif r == 2:\n    time.sleep(60)\n"
+            f"while not os.path.exists({str(heard_path)!r}):\n    time.sleep(0.005)\n"
+            f"os.kill(os.getpid(), signal.SIGKILL)\n")
     heard, said = [], io.StringIO()
-    status = launch([PY, "-c", code], [RoleSpec("worker", r) for r in range(3)], sink=said,
-                    on_exit=lambda spec, code: heard.append((spec.rank, code)))
+
+    def on_exit(spec, code):
+        heard.append((spec.rank, code))
+        heard_path.touch()  # rank 1 dies only after the launcher has heard rank 0
+
+    status = launch([PY, "-c", code], [RoleSpec("worker", r) for r in range(3)], sink=said, on_exit=on_exit)
     assert heard == [(0, 1), (1, 137)], heard
     # The signal death is the likelier cause: it is the one named, and its status returned.
     assert status == 137 and "worker 1 exited with status 137; stopping the job" in said.getvalue()
