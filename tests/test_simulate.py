@@ -174,6 +174,20 @@ def test_allreduce_time_is_the_slowest_compute_plus_the_modelled_all_reduce(tmp_
     assert summary["final_test_accuracy"] is None  # --timing-only: no maths
 
 
+def test_a_rounds_work_is_paid_at_each_round_of_communication(tmp_path):
+    """``per_round``: all-reduce pays it at every step, local SGD only at its averagings;
+    a step's own work (``outside``) both pay at every step."""
+    net = "latency=1ms,bandwidth=100mbit"
+    c, own, rnd = 2e-3, 5e-4, 3e-3
+    compute = ComputeModel(per_sample=0.0, overhead=c, outside=own, per_round=rnd)
+    ring = cost("ring", 4, 26122 * 4, network=network_of(JobConfig.from_flat({"net": net}).cluster.net)).time
+    every = _sim(tmp_path, "a", _cfg(algorithm="ring", steps=10, net=net), compute=compute, timing_only=True)
+    assert every["wall_seconds"] == pytest.approx(10 * (c + own + rnd + ring))
+    local = _sim(tmp_path, "l", _cfg(strategy="local-sgd", algorithm="ring", period=5, steps=10, net=net),
+                 compute=compute, timing_only=True)
+    assert local["wall_seconds"] == pytest.approx(10 * (c + own) + 2 * (rnd + ring))
+
+
 def test_a_card_takes_messages_in_one_at_a_time_in_the_order_they_come():
     assert take_in([3.0, 1.0, 1.0], 2.0) == 7.0   # two at once queue: 1-3, 3-5; the third waits until 5
     assert take_in([0.0, 5.0], 2.0) == 7.0        # spaced wider than a wire: no queue
@@ -334,11 +348,12 @@ def test_the_validation_table_counts_errors_and_compares_rankings():
     from plexus.sim.validate import Row, table
     rows = [Row(2, "allreduce ring", 0.010, 0.011, 1.0, 1.1), Row(2, "ps asp", 0.020, 0.030, None, 2.0),
             Row(2, "gossip ring", 0.005, 0.004, 0.5, 0.5)]
-    text = table(rows, {"alpha": 2e-3, "beta": 8e-8, "per_sample_P2": 3e-5, "overhead_P2": 2.5e-3})
+    text = table(rows, {"alpha": 2e-3, "beta": 8e-8, "per_sample_P2": 3e-5, "outside_P2": 1.5e-3,
+                        "per_round_P2": 1e-3})
     assert "| 2 | allreduce ring (calibration) | 0.0100 | 0.0110 | +10% |" in text
     assert "Time per step within 15%: 1 of 3; time to target within 15%: 2 of 2" in text
     assert "P=2: ranking by time per step the same: real gossip ring < allreduce ring < ps asp" in text
-    assert "compute per sample P2 30.0 us; overhead per step P2 2.50 ms." in text
+    assert "compute per sample P2 30.0 us; a step's own work P2 1.50 ms; a round's work P2 1.00 ms." in text
 
 
 def test_bench_simulate_prints_its_table(capsys):
@@ -376,16 +391,21 @@ def test_a_report_labels_simulated_runs(tmp_path):
 
 
 @pytest.mark.slow
-def test_validation_charges_the_references_unexplained_time_to_every_step(tmp_path, monkeypatch):
-    """The calibration's per-step overhead is the reference's real time per step that the
-    model leaves out, so the reference's simulated time per step comes out at its real one,
-    and the other configurations are simulated with the same overhead."""
+def test_validation_calibrates_a_steps_own_work_and_a_rounds(tmp_path, monkeypatch):
+    """A step's own work is the local steps' real time per step that the model leaves
+    out; a round's work is what the reference's leaves out beyond that. So the reference's
+    simulated time per step comes out at its real one, and the other configurations are
+    simulated with the same two."""
     from plexus.sim import validate as validation
     monkeypatch.setattr(validation, "CONFIGS", {name: validation.CONFIGS[name] for name in
-                                                ("allreduce ring", "ps bsp")})
+                                                ("allreduce ring", "local-sgd H=8")})
     rows, calibration = validation.validate(tmp_path, workers=(2,), steps=30, target=0.99, echo=lambda line: None)
     reference = next(r for r in rows if r.config == "allreduce ring")
-    assert calibration["overhead_P2"] > 0, calibration
+    assert calibration["outside_P2"] > 0 and calibration["per_round_P2"] > 0, calibration
     assert abs(reference.step_error) < 0.03, reference
+    local = json.loads((tmp_path / "real-2-local_steps" / "summary.json").read_text())
+    assert local["averagings"] == 1  # its period is the run's steps
+    fit = json.loads((tmp_path / "fit-2-local_steps" / "summary.json").read_text())
+    assert fit["wall_seconds"] / fit["steps"] < local["wall_seconds"] / local["steps"]
     fit = json.loads((tmp_path / "fit-2-allreduce_ring" / "summary.json").read_text())
     assert fit["wall_seconds"] / fit["steps"] < reference.real_step  # the model alone explains less

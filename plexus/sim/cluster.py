@@ -48,6 +48,11 @@ class ComputeModel:
     # Seconds of every step outside forward and backward (Python, the optimizer, handling
     # messages), which communication does not overlap; ``--validate`` calibrates it.
     outside: float = 0.0
+    # Seconds of work each communication round costs besides what the network model
+    # charges (the collective's or the exchange's Python, handling its messages);
+    # ``--validate`` calibrates it. A strategy that communicates at every step pays it at
+    # every step; local SGD, EASGD and AD-PSGD at their averagings and exchanges alone.
+    per_round: float = 0.0
     # "none", "lognormal:CV" or "pareto:A".
     jitter: str = "none"
     # Whether per_sample and overhead were measured here (else given by --compute).
@@ -57,7 +62,7 @@ class ComputeModel:
         if self.per_sample is not None and not (self.per_sample >= 0 and math.isfinite(self.per_sample)):
             raise ConfigError(f"--compute must be a finite time >= 0 seconds per sample, got {self.per_sample!r}: "
                               f"pass --compute 2e-5 for example, or leave it out to measure it here")
-        for name in ("overhead", "outside"):
+        for name in ("overhead", "outside", "per_round"):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
                 raise ConfigError(f"a step's compute {name} must be >= 0 seconds, got {value!r}")

@@ -78,6 +78,10 @@ class Simulation:
     """What every simulated strategy shares: the config, the cluster, the data, the model,
     the compute times and the metrics callbacks."""
 
+    # False where rounds of communication are fewer than steps (local SGD, EASGD,
+    # AD-PSGD), which then charge ``ComputeModel.per_round`` at each round themselves.
+    communicates_every_step = True
+
     def __init__(self, cfg: JobConfig, spec: SimSpec, data, replica: Replica | None,
                  log: Callable[..., None], evaluate: Callable[[float, int, int], None]) -> None:
         self.cfg, self.spec, self.data, self.replica = cfg, spec, data, replica
@@ -87,8 +91,12 @@ class Simulation:
         self.jitter = Jitter(spec.compute.jitter, cfg.run.seed)
         slow = {s.rank: s.factor for s in cfg.cluster.slow if s.role == "worker"}
         self.slow = np.array([slow.get(r, 1.0) for r in range(self.workers)])
-        self.base_compute = spec.compute.step_time(self.share)
-        self.outside = spec.compute.outside  # of base_compute: a step's work besides forward and backward
+        # A round's work besides the wire: in every step of a strategy that communicates at
+        # every step, else where its rounds are (``per_round``).
+        every = spec.compute.per_round if self.communicates_every_step else 0.0
+        self.per_round = spec.compute.per_round
+        self.base_compute = spec.compute.step_time(self.share) + every
+        self.outside = spec.compute.outside + every  # of base_compute: a step's work besides forward and backward
         self.numel = replica.numel if replica is not None else spec.extra["numel"]
         self.nbytes = self.numel * 4
         self.net = spec.network

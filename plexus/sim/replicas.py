@@ -100,6 +100,8 @@ class _Replicas(Simulation):
 class LocalSgdSim(_Replicas):
     """Local SGD: H local steps, then the replicas' parameters are averaged."""
 
+    communicates_every_step = False  # each all-reduce pays ``per_round``
+
     def run(self, steps: int) -> Outcome:
         cfg, p, s = self.cfg, self.workers, self.cfg.strategy
         maths = self.replica is not None
@@ -165,7 +167,7 @@ class LocalSgdSim(_Replicas):
         """Everyone waits for the slowest, then the all-reduce of ``numel`` float32s."""
         c = cost(algorithm, self.workers, numel * 4, network=self.net, local_size=self.cfg.strategy.local_size or 2)
         sent += np.asarray(c.sent, dtype=np.int64)
-        return np.full_like(clocks, clocks.max() + c.time)
+        return np.full_like(clocks, clocks.max() + c.time + self.per_round)
 
     @torch.no_grad()
     def _average_gradients(self, reduce) -> None:
@@ -268,6 +270,8 @@ class EasgdSim(_Replicas):
     exchange queues on it, the server answers with the centre before the update and adds
     the elastic difference, and the worker subtracts the same difference on the reply."""
 
+    communicates_every_step = False  # each exchange pays ``per_round``
+
     def run(self, steps: int) -> Outcome:
         from plexus.decentral.averaging import elastic_difference
         from plexus.sim.events import EventQueue
@@ -325,7 +329,7 @@ class EasgdSim(_Replicas):
             return
         net = self.net
         self.sent[r] += self.nbytes
-        reach = self.queue.now + net.alpha + self.nbytes * net.beta
+        reach = self.queue.now + self.per_round + net.alpha + self.nbytes * net.beta
         start = max(reach, self.busy_until)
         self.busy_until = start + self.nbytes * net.beta  # the reply leaves on the same link
         sent = self.flats[r].flat.clone() if self.maths else None
@@ -380,6 +384,8 @@ class AdPsgdSim(_Replicas):
     worker's lock is: an averaging that reaches a locked worker waits until it is
     released. Each averaging costs two messages of the whole model on the pair's link.
     The workers share one budget of steps x P updates (``train/budget.py``)."""
+
+    communicates_every_step = False  # an active worker's averaging pays ``per_round``
 
     def run(self, steps: int) -> Outcome:
         from plexus.decentral.pairing import Pairing
@@ -448,7 +454,7 @@ class AdPsgdSim(_Replicas):
             return
         self.locked[r] = True
         self.sent[r] += self.nbytes
-        self.queue.after(self.net.alpha + self.nbytes * self.net.beta, self._arrive, peer, r)
+        self.queue.after(self.per_round + self.net.alpha + self.nbytes * self.net.beta, self._arrive, peer, r)
 
     def _arrive(self, j: int, i: int) -> None:
         """Worker i's replica reaches j, which averages with it and answers."""

@@ -12,20 +12,25 @@ message costs this machine's per-message CPU work and process scheduling, not a 
 (8 processes share 2 cores), which no alpha-beta model describes: ``--net none`` measures
 that case anyway.
 
-Calibration, from the real runs of one configuration (allreduce ring) only: its workers'
-measured compute seconds per step at each P, as seconds per sample (P processes share this
-machine's cores, so a sample costs more at P = 8 than at P = 2; that is this machine's
-property, used for every configuration at that P). With ``--net none``, alpha and beta
-are also fitted to its communication time per step (least squares over the three P).
-Last, the part of its real time per step that the model does not explain (real minus
-simulated, at each P, if positive) becomes a per-step overhead of every worker's step in
-every configuration at that P: the work of a step outside forward and backward (Python,
-the optimizer, message handling, waiting to be scheduled among P processes on this
-machine's cores), which is this machine's too. The simulator takes it as
-``ComputeModel.outside``: part of every step, and for D-PSGD the part after the exchange,
-which the gradient's overlap with it does not hide.
+Calibration, from the real runs of two configurations, neither of them judged: allreduce
+ring, and local steps (local SGD whose one averaging comes at the last step). The ring's
+workers' measured compute seconds per step at each P give the seconds per sample (P
+processes share this machine's cores, so a sample costs more at P = 8 than at P = 2; that
+is this machine's property, used for every configuration at that P). With ``--net none``,
+alpha and beta are also fitted to the ring's communication time per step beyond the local
+steps' (least squares over the three P). Then two times the model leaves out, at each P:
 
-The other five configurations are predictions. The table gives time per step and time to
+- *a step's own work*: the local steps' real time per step minus their simulated one (the
+  loop, the optimizer, waiting to be scheduled among P processes on this machine's cores).
+  The simulator takes it as ``ComputeModel.outside``, part of every step of every
+  configuration (for D-PSGD the part after the exchange, which the gradient's overlap
+  does not hide);
+- *a round's work*: what the ring's real time per step exceeds its simulated one by, with
+  a step's own work in (the collective's Python and its messages' handling), as
+  ``ComputeModel.per_round``: paid at every step by the configurations that communicate at
+  every step, and by local SGD at its averagings alone.
+
+The six configurations but the ring are predictions. The table gives time per step and time to
 the target accuracy, real against simulated, with the relative error, and whether the
 configurations rank in the same order by time per step at each P.
 """
@@ -41,6 +46,9 @@ __all__ = ["CONFIGS", "Row", "validate", "TOLERANCE"]
 TOLERANCE = 0.15
 BATCH = 64  # the global batch of every run
 REFERENCE = "allreduce ring"
+# The second calibration, run for real beside the six: local SGD averaging once, at the
+# last step, whose time per step is a step's own work (its period is set to the steps).
+LOCAL = "local steps"
 CONFIGS: dict[str, dict[str, Any]] = {
     "allreduce ring": {"strategy": "allreduce", "algorithm": "ring"},
     "allreduce master": {"strategy": "allreduce", "algorithm": "master"},
@@ -76,7 +84,8 @@ DEFAULT_NET = "bandwidth=100mbit,latency=2ms"
 
 def _cfg(name: str, workers: int, steps: int, target: float, out: Path, net: str | None):
     from plexus.config import JobConfig
-    flat = {**CONFIGS[name], **({"net": net} if net else {}), "workers": workers, "steps": steps,
+    spec = {"strategy": "local-sgd", "period": steps} if name == LOCAL else CONFIGS[name]
+    flat = {**spec, **({"net": net} if net else {}), "workers": workers, "steps": steps,
             "dataset": "digits", "model": "mlp", "batch_size": BATCH, "eval_every": 10, "target_accuracy": target,
             "seed": 0, "quiet": True, "out": str(out), "overwrite": True}
     return JobConfig.from_flat(flat, {k: "flag" for k in flat})
@@ -99,40 +108,45 @@ def validate(out: Path, workers: tuple[int, ...] = (2, 4, 8), steps: int = 150, 
     from plexus.train.job import prepare_run_dir, run_local
     real: dict[tuple[int, str], dict] = {}
     for p in workers:
-        for name in CONFIGS:
+        for name in [*CONFIGS, LOCAL]:
             cfg = _cfg(name, p, steps, target, out / f"real-{p}-{name.replace(' ', '_')}", net)
             echo(f"real      P={p} {name}")
             real[p, name] = run_local(cfg, sink=io.StringIO())[1]
-    # Calibration from the reference configuration.
+    # Calibration from the reference configuration and the local steps.
     per_sample, comm = {}, {}
     for p in workers:
         s = real[p, REFERENCE]
         compute = sum(c for c in s["compute_seconds_per_worker"] if c) / p / s["steps"]
         per_sample[p] = compute / (BATCH // p)
-        comm[p] = max(0.0, s["wall_seconds"] / s["steps"] - compute)
+        own = max(0.0, _per_step(real[p, LOCAL]) - compute)  # a step's own work, near enough
+        comm[p] = max(0.0, s["wall_seconds"] / s["steps"] - compute - own)
     network = network_of(parse_net(net)) if net else _fit_network(comm, _gradient_bytes())
 
-    def simulated(name: str, p: int, overhead: float, folder: str) -> dict:
+    def simulated(name: str, p: int, outside: float, per_round: float, folder: str) -> dict:
         cfg = _cfg(name, p, steps, target, out / f"{folder}-{p}-{name.replace(' ', '_')}", net)
         spec = SimSpec(workers=p, servers=cfg.cluster.servers, network=network,
-                       compute=ComputeModel(per_sample=per_sample[p], outside=overhead, measured=True))
+                       compute=ComputeModel(per_sample=per_sample[p], outside=outside, per_round=per_round,
+                                            measured=True))
         return simulate(cfg, spec, prepare_run_dir(cfg))
 
-    overhead = {}
+    outside, per_round = {}, {}
     for p in workers:
-        echo(f"fitting   P={p} {REFERENCE}")
-        overhead[p] = max(0.0, _per_step(real[p, REFERENCE]) - _per_step(simulated(REFERENCE, p, 0.0, "fit")))
+        echo(f"fitting   P={p} {LOCAL}, {REFERENCE}")
+        outside[p] = max(0.0, _per_step(real[p, LOCAL]) - _per_step(simulated(LOCAL, p, 0.0, 0.0, "fit")))
+        per_round[p] = max(0.0, _per_step(real[p, REFERENCE]) -
+                           _per_step(simulated(REFERENCE, p, outside[p], 0.0, "fit")))
     rows = []
     for p in workers:
         for name in CONFIGS:
             echo(f"simulated P={p} {name}")
-            sim = simulated(name, p, overhead[p], "sim")
+            sim = simulated(name, p, outside[p], per_round[p], "sim")
             r = real[p, name]
             rows.append(Row(p, name, _per_step(r), _per_step(sim), r["time_to_target_seconds"],
                             sim["time_to_target_seconds"]))
     return rows, {"alpha": network.alpha, "beta": network.beta,
                   **{f"per_sample_P{p}": per_sample[p] for p in workers},
-                  **{f"overhead_P{p}": overhead[p] for p in workers}}
+                  **{f"outside_P{p}": outside[p] for p in workers},
+                  **{f"per_round_P{p}": per_round[p] for p in workers}}
 
 
 def _gradient_bytes() -> int:
@@ -187,10 +201,11 @@ def table(rows: list[Row], calibration: dict[str, float]) -> str:
         same = real_order == sim_order
         lines.append(f"P={p}: ranking by time per step {'the same' if same else 'differs'}: real "
                      f"{' < '.join(real_order)}; simulated {' < '.join(sim_order)}.")
-    overheads = [f"{k[-2:]} {v * 1e3:.2f} ms" for k, v in calibration.items() if k.startswith("overhead")]
+    def ms(prefix: str) -> str:
+        return ", ".join(f"{k[-2:]} {v * 1e3:.2f} ms" for k, v in calibration.items() if k.startswith(prefix))
     lines.append(f"Calibration: alpha {calibration['alpha'] * 1e6:.1f} us, 1/beta "
                  f"{(1 / calibration['beta'] / 1e9 if calibration['beta'] else math.inf):.2f} GB/s, compute per "
                  "sample " + ", ".join(f"{k[-2:]} {v * 1e6:.1f} us" for k, v in calibration.items()
                                        if k.startswith("per_sample")) +
-                 (f"; overhead per step {', '.join(overheads)}" if overheads else "") + ".")
+                 f"; a step's own work {ms('outside')}; a round's work {ms('per_round')}.")
     return "\n".join(lines)
