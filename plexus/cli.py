@@ -223,7 +223,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser, validate: bool = Tru
     _flag(g, "timing-only", action="store_const", const=True, help="skip the maths: time and traffic only")
     if validate:
         _flag(g, "validate", action="store_const", const=True,
-              help="train six configurations at 2, 4 and 8 workers for real and simulated; print the errors")
+              help="train seven configurations at 2, 4 and 8 workers for real and simulated; print the errors")
 
 
 def build_parser() -> argparse.ArgumentParser:

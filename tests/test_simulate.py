@@ -188,6 +188,21 @@ def test_a_rounds_work_is_paid_at_each_round_of_communication(tmp_path):
     assert local["wall_seconds"] == pytest.approx(10 * (c + own) + 2 * (rnd + ring))
 
 
+def test_easgd_centre_answers_each_worker_when_its_replica_is_in(tmp_path):
+    """Two workers exchange with the centre at every step: the centre's card takes their
+    replicas in one after the other and sends each reply as soon as that one is in, so
+    worker 1 trails worker 0 by one wire and neither waits for the other's reply (the
+    reply used to leave when the last reply queued so far had)."""
+    net = "latency=2ms,bandwidth=100mbit"
+    c, own, rnd = 1e-3, 5e-4, 1e-3
+    cfg = _cfg(strategy="easgd", workers=2, steps=6, period=1, net=net)
+    n = network_of(cfg.cluster.net)
+    wire = 26122 * 4 * n.beta
+    summary = _sim(tmp_path, "e", cfg, compute=ComputeModel(per_sample=0.0, overhead=c, outside=own, per_round=rnd),
+                   timing_only=True)
+    assert summary["wall_seconds"] == pytest.approx(6 * (c + own + rnd + 2 * n.alpha + 2 * wire) + wire)
+
+
 def test_a_card_takes_messages_in_one_at_a_time_in_the_order_they_come():
     assert take_in([3.0, 1.0, 1.0], 2.0) == 7.0   # two at once queue: 1-3, 3-5; the third waits until 5
     assert take_in([0.0, 5.0], 2.0) == 7.0        # spaced wider than a wire: no queue

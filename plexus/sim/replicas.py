@@ -266,9 +266,11 @@ class GossipSim(_Replicas):
 
 class EasgdSim(_Replicas):
     """Asynchronous EASGD: workers on their own partitions and pace, an elastic exchange
-    with the centre every ``--period`` steps. The centre is a server with one link: an
-    exchange queues on it, the server answers with the centre before the update and adds
-    the elastic difference, and the worker subtracts the same difference on the reply."""
+    with the centre every ``--period`` steps. The centre is a server with one card, full
+    duplex as ``--net`` emulates it: it takes the workers' replicas in one at a time and
+    sends its replies out one at a time, the two sides apart. It answers each with the
+    centre before the update and adds the elastic difference, and the worker subtracts
+    the same difference on the reply."""
 
     communicates_every_step = False  # each exchange pays ``per_round``
 
@@ -288,7 +290,7 @@ class EasgdSim(_Replicas):
         self.queue = EventQueue()
         self.done = [0] * p
         self.alive = [True] * p
-        self.busy_until = 0.0  # the centre's link and update, one exchange at a time
+        self.in_free = self.out_free = 0.0  # when the centre's card takes in, and sends, its next message
         self.compute = np.zeros(p)
         self.sent = np.zeros(p, dtype=np.int64)
         self.exchanges = 0
@@ -327,13 +329,15 @@ class EasgdSim(_Replicas):
         if self.done[r] % self.period:
             self._start(r)
             return
-        net = self.net
         self.sent[r] += self.nbytes
-        reach = self.queue.now + self.per_round + net.alpha + self.nbytes * net.beta
-        start = max(reach, self.busy_until)
-        self.busy_until = start + self.nbytes * net.beta  # the reply leaves on the same link
         sent = self.flats[r].flat.clone() if self.maths else None
-        self.queue.at(start, self._at_centre, r, sent)
+        # Its first byte reaches the centre alpha after it leaves.
+        self.queue.after(self.per_round + self.net.alpha, self._reach_centre, r, sent)
+
+    def _reach_centre(self, r: int, sent) -> None:
+        """The centre's card takes the replica in once it has taken in the ones before."""
+        self.in_free = max(self.queue.now, self.in_free) + self.nbytes * self.net.beta
+        self.queue.at(self.in_free, self._at_centre, r, sent)
 
     def _at_centre(self, r: int, sent) -> None:
         if self.failed:
@@ -343,7 +347,9 @@ class EasgdSim(_Replicas):
             reply = self.centre.clone()
             self.centre.add_(self.diff(sent, reply, self.alpha))
         self.exchanges += 1
-        self.queue.at(self.busy_until + self.net.alpha, self._reply, r, reply)
+        # The reply leaves once the card has sent the replies before it.
+        self.out_free = max(self.queue.now, self.out_free) + self.nbytes * self.net.beta
+        self.queue.at(self.out_free + self.net.alpha, self._reply, r, reply)
 
     def _reply(self, r: int, reply) -> None:
         if not self.alive[r] or self.failed:

@@ -1,7 +1,7 @@
 """``plexus simulate --validate``: simulated against real runs on this machine.
 
-For P = 2, 4, 8 and six configurations (allreduce ring and master, ps bsp and asp with one
-server, D-PSGD on a ring, local SGD with H = 8), each configuration is trained for real
+For P = 2, 4, 8 and seven configurations (allreduce ring and master, ps bsp and asp with one
+server, D-PSGD on a ring, local SGD with H = 8, EASGD), each configuration is trained for real
 (``plexus train``'s code, in this process) and simulated with the same flags and seed.
 
 Every run, real and simulated, has the network ``--net`` (default
@@ -30,7 +30,7 @@ steps' (least squares over the three P). Then two times the model leaves out, at
   ``ComputeModel.per_round``: paid at every step by the configurations that communicate at
   every step, and by local SGD at its averagings alone.
 
-The six configurations but the ring are predictions. The table gives time per step and time to
+The seven configurations but the ring are predictions. The table gives time per step and time to
 the target accuracy, real against simulated, with the relative error, and whether the
 configurations rank in the same order by time per step at each P.
 """
@@ -46,7 +46,7 @@ __all__ = ["CONFIGS", "Row", "validate", "TOLERANCE"]
 TOLERANCE = 0.15
 BATCH = 64  # the global batch of every run
 REFERENCE = "allreduce ring"
-# The second calibration, run for real beside the six: local SGD averaging once, at the
+# The second calibration, run for real beside the seven: local SGD averaging once, at the
 # last step, whose time per step is a step's own work (its period is set to the steps).
 LOCAL = "local steps"
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -56,6 +56,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "ps asp": {"strategy": "ps", "consistency": "asp"},
     "gossip ring": {"strategy": "gossip", "topology": "ring"},
     "local-sgd H=8": {"strategy": "local-sgd", "period": 8},
+    "easgd": {"strategy": "easgd"},
 }
 
 
