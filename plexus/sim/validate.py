@@ -12,11 +12,11 @@ message costs this machine's per-message CPU work and process scheduling, not a 
 (8 processes share 2 cores), which no alpha-beta model describes: ``--net none`` measures
 that case anyway.
 
-Calibration, from the real runs of two configurations, neither of them judged: allreduce
-ring, and local steps (local SGD whose one averaging comes at the last step). The ring's
-workers' measured compute seconds per step at each P give the seconds per sample (P
-processes share this machine's cores, so a sample costs more at P = 8 than at P = 2; that
-is this machine's property, used for every configuration at that P). With ``--net none``,
+Calibration, from the real runs of two configurations: allreduce ring (its row is marked
+as the calibration) and local steps (local SGD whose one averaging comes at the last step;
+no row). The ring's workers' measured compute seconds per step at each P give the seconds
+per sample (P processes share this machine's cores, so a sample costs more at P = 8 than
+at P = 2; that is this machine's property, used for every configuration at that P). With ``--net none``,
 alpha and beta are also fitted to the ring's communication time per step beyond the local
 steps' (least squares over the three P). Then two times the model leaves out, at each P:
 
@@ -28,11 +28,11 @@ steps' (least squares over the three P). Then two times the model leaves out, at
 - *a round's work*: what the ring's real time per step exceeds its simulated one by, with
   a step's own work in (the collective's Python and its messages' handling), as
   ``ComputeModel.per_round``: paid at every step by the configurations that communicate at
-  every step, and by local SGD at its averagings alone.
+  every step, by local SGD at its averagings and by EASGD at its exchanges alone.
 
-The seven configurations but the ring are predictions. The table gives time per step and time to
-the target accuracy, real against simulated, with the relative error, and whether the
-configurations rank in the same order by time per step at each P.
+The six configurations besides the ring are predictions. The table gives time per step
+and time to the target accuracy, real against simulated, with the relative error, and
+whether the configurations rank in the same order by time per step at each P.
 """
 from __future__ import annotations
 
