@@ -1012,12 +1012,20 @@ def _simulate(args: argparse.Namespace) -> int:
     from plexus.sim.run import check
     given = vars(args)
     if given.get("validate"):
-        from plexus.sim.validate import table, validate
+        from plexus.errors import ConfigError
+        from plexus.sim.validate import DEFAULT_NET, VALIDATE_TAKES, table, validate
+        other = [f"--{k.replace('_', '-')}" for k in given if k not in ("command", "validate", *VALIDATE_TAKES)]
+        if other:
+            takes = ", ".join(f"--{k}" for k in VALIDATE_TAKES)
+            raise ConfigError(f"{', '.join(other)} {'does' if len(other) == 1 else 'do'} not apply to --validate, "
+                              f"which trains its own configurations at 2, 4 and 8 workers on digits: drop "
+                              f"{'it' if len(other) == 1 else 'them'} (it takes {takes})")
         out = Path(given.get("out") or f"runs/validate-{time.strftime('%Y%m%d-%H%M%S')}")
-        from plexus.sim.validate import DEFAULT_NET
         net = given.get("net", DEFAULT_NET)
+        quiet = bool(given.get("quiet"))
         rows, calibration = validate(out, steps=given.get("steps") or 150, net=None if net == "none" else net,
-                                     echo=lambda line: print(line, file=sys.stderr))
+                                     device=given.get("device", "auto"),
+                                     echo=(lambda line: None) if quiet else (lambda line: print(line, file=sys.stderr)))
         print(table(rows, calibration))
         return 0
     _sim_workers(given)

@@ -371,6 +371,27 @@ def test_the_validation_table_counts_errors_and_compares_rankings():
     assert "compute per sample P2 30.0 us; a step's own work P2 1.50 ms; a round's work P2 1.00 ms." in text
 
 
+def test_validate_refuses_flags_it_would_ignore_and_passes_the_device(capsys, monkeypatch):
+    from plexus.sim import validate as validation
+    code = main(["simulate", "--validate", "--workers", "16", "--dataset", "mnist1d"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("plexus: error: --workers, --dataset do not apply to --validate") and \
+        "--steps, --net, --device, --out, --quiet" in err[0], err[0]
+    seen = {}
+
+    def fake(out, **kw):
+        seen.update(kw)
+        return [validation.Row(2, "allreduce ring", 0.01, 0.01, 1.0, 1.0)], \
+            {"alpha": 1e-3, "beta": 1e-8, "per_sample_P2": 1e-5, "outside_P2": 1e-3, "per_round_P2": 1e-3}
+    monkeypatch.setattr(validation, "validate", fake)
+    assert main(["simulate", "--validate", "--device", "cpu", "--steps", "20", "--net", "none", "--quiet"]) == 0
+    out = capsys.readouterr()
+    assert seen["device"] == "cpu" and seen["steps"] == 20 and seen["net"] is None, seen
+    seen["echo"]("a progress line")  # --quiet: nothing on stderr
+    assert "| 2 | allreduce ring (calibration) |" in out.out and capsys.readouterr().err == ""
+
+
 def test_bench_simulate_prints_its_table(capsys):
     assert main(["bench", "simulate", "--steps", "10", "--rows", "0", "1"]) == 0
     out = capsys.readouterr().out.splitlines()

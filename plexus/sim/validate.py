@@ -41,9 +41,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CONFIGS", "Row", "validate", "TOLERANCE"]
+__all__ = ["CONFIGS", "Row", "validate", "TOLERANCE", "VALIDATE_TAKES"]
 
 TOLERANCE = 0.15
+# The flags of ``plexus simulate`` that ``--validate`` takes; it refuses the others, which
+# describe a job or a cluster it does not run.
+VALIDATE_TAKES = ("steps", "net", "device", "out", "quiet")
 BATCH = 64  # the global batch of every run
 REFERENCE = "allreduce ring"
 # The second calibration, run for real beside the seven: local SGD averaging once, at the
@@ -83,10 +86,10 @@ class Row:
 DEFAULT_NET = "bandwidth=100mbit,latency=2ms"
 
 
-def _cfg(name: str, workers: int, steps: int, target: float, out: Path, net: str | None):
+def _cfg(name: str, workers: int, steps: int, target: float, out: Path, net: str | None, device: str = "auto"):
     from plexus.config import JobConfig
     spec = {"strategy": "local-sgd", "period": steps} if name == LOCAL else CONFIGS[name]
-    flat = {**spec, **({"net": net} if net else {}), "workers": workers, "steps": steps,
+    flat = {**spec, **({"net": net} if net else {}), "device": device, "workers": workers, "steps": steps,
             "dataset": "digits", "model": "mlp", "batch_size": BATCH, "eval_every": 10, "target_accuracy": target,
             "seed": 0, "quiet": True, "out": str(out), "overwrite": True}
     return JobConfig.from_flat(flat, {k: "flag" for k in flat})
@@ -101,7 +104,10 @@ def _per_step(summary: dict) -> float:
 
 
 def validate(out: Path, workers: tuple[int, ...] = (2, 4, 8), steps: int = 150, target: float = 0.8,
-             net: str | None = DEFAULT_NET, echo=print) -> tuple[list[Row], dict[str, float]]:
+             net: str | None = DEFAULT_NET, echo=print, device: str = "auto") -> tuple[list[Row], dict[str, float]]:
+    """Train every configuration of ``CONFIGS`` and the local steps for real at each P
+    (on ``device``: ``auto`` puts the workers on a GPU where torch sees one), calibrate,
+    simulate; the rows and the calibration, as ``table`` prints them."""
     import io
     from plexus.config import parse_net
     from plexus.sim.cluster import ComputeModel, SimSpec, network_of
@@ -110,7 +116,7 @@ def validate(out: Path, workers: tuple[int, ...] = (2, 4, 8), steps: int = 150, 
     real: dict[tuple[int, str], dict] = {}
     for p in workers:
         for name in [*CONFIGS, LOCAL]:
-            cfg = _cfg(name, p, steps, target, out / f"real-{p}-{name.replace(' ', '_')}", net)
+            cfg = _cfg(name, p, steps, target, out / f"real-{p}-{name.replace(' ', '_')}", net, device)
             echo(f"real      P={p} {name}")
             real[p, name] = run_local(cfg, sink=io.StringIO())[1]
     # Calibration from the reference configuration and the local steps.
