@@ -1014,7 +1014,8 @@ def _simulate(args: argparse.Namespace) -> int:
     if given.get("validate"):
         from plexus.errors import ConfigError
         from plexus.sim.validate import DEFAULT_NET, VALIDATE_TAKES, table, validate
-        other = [f"--{k.replace('_', '-')}" for k in given if k not in ("command", "validate", *VALIDATE_TAKES)]
+        other = [f"--{k.replace('_', '-')}" for k in given
+                 if k not in ("command", "validate", "debug", *VALIDATE_TAKES)]
         if other:
             takes = ", ".join(f"--{k}" for k in VALIDATE_TAKES)
             raise ConfigError(f"{', '.join(other)} {'does' if len(other) == 1 else 'do'} not apply to --validate, "
