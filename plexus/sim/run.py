@@ -78,6 +78,9 @@ def check(cfg: JobConfig, spec: SimSpec) -> None:
         (f"--replication {s.replication} (a dead simulated server ends the job)", s.replication > 0),
         ("--ledger", s.ledger),
         (f"--drain {s.drain}", bool(s.drain)),
+        ("--elastic (a dead simulated worker ends an all-reduce job)", s.elastic),
+        (f"--threads {cfg.cluster.threads} (its compute is measured with one thread; give it with --compute)",
+         cfg.cluster.threads != 1),
     ) if used]
     if unmodelled:
         raise ConfigError(f"plexus simulate does not model {', '.join(unmodelled)} yet: drop it, or train it for real "
