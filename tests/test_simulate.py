@@ -330,6 +330,7 @@ def test_a_simulated_run_that_does_not_learn_is_judged_stalled_with_its_hint(tmp
     # A real --elastic job goes on without a dead worker; the simulated one used to end.
     (["--workers", "4", "--elastic", "--fail", "worker:1@t=0.01"], "does not model --elastic"),
     (["--threads", "4"], "does not model --threads 4"),
+    (["--strategy", "ps", "--consistency", "asp", "--slow", "server:0=8"], "does not model --slow server:0=8"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, needle):
     code = main(["simulate", "--steps", "5", "--out", str(tmp_path / "x"), *args])

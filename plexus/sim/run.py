@@ -79,6 +79,8 @@ def check(cfg: JobConfig, spec: SimSpec) -> None:
         ("--ledger", s.ledger),
         (f"--drain {s.drain}", bool(s.drain)),
         ("--elastic (a dead simulated worker ends an all-reduce job)", s.elastic),
+        *((f"--slow {w.role}:{w.rank}={w.factor:g} (it slows workers only)", True)
+          for w in cfg.cluster.slow if w.role != "worker"),
         (f"--threads {cfg.cluster.threads} (its compute is measured with one thread; give it with --compute)",
          cfg.cluster.threads != 1),
     ) if used]
